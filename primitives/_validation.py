@@ -1,0 +1,89 @@
+"""Input checks shared by every mechanism. Messages name the argument, what was
+expected and what was received, so the caller can fix the call without reading
+the source."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    dtypes: Sequence[torch.dtype] | None = FLOAT_DTYPES,
+    layout: str | None = None,
+) -> torch.Tensor:
+    """Check type, rank, sizes (``None`` = any) and dtype of one tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+    where = f" (expected layout {layout})" if layout else ""
+    if ndim is not None and t.dim() != ndim:
+        raise ShapeError(f"`{name}` must have {ndim} dimensions{where}, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape):
+            raise ShapeError(f"`{name}` must have {len(shape)} dimensions{where}, got shape {tuple(t.shape)}")
+        for axis, (want, got) in enumerate(zip(shape, t.shape)):
+            if want is not None and want != got:
+                expected = tuple("*" if s is None else s for s in shape)
+                raise ShapeError(
+                    f"`{name}` has size {got} on dim {axis}, expected {want}: "
+                    f"expected shape {expected}{where}, got {tuple(t.shape)}"
+                )
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise DTypeError(f"`{name}` must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {k: v.device for k, v in present.items()}
+    if len(set(devices.values())) > 1:
+        listing = ", ".join(f"{k} on {d}" for k, d in devices.items())
+        raise DeviceError(f"all tensors must be on one device, got {listing}")
+
+
+def check_same_dtype(**tensors: torch.Tensor | None) -> None:
+    present = {k: v.dtype for k, v in tensors.items() if v is not None}
+    if len(set(present.values())) > 1:
+        listing = ", ".join(f"{k}: {str(d).replace('torch.', '')}" for k, d in present.items())
+        raise DTypeError(f"activations must share one dtype, got {listing}")
+
+
+def check_keep_mask(name: str, mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """A 2-D (batch, length) keep mask of 0/1 (bool or numeric)."""
+    if mask is None:
+        return None
+    check_tensor(name, mask, dtypes=None, shape=(batch, length), layout="(batch, seq) keep mask")
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise ValueError(f"`{name}` must contain only 0 and 1 (a keep mask), got other values")
+        else:
+            raise DTypeError(f"`{name}` must be bool or a 0/1 numeric tensor, got {mask.dtype}")
+    return mask
+
+
+def check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"`{name}` must be a positive int, got {value!r}")
+    return value
+
+
+def check_positive_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"`{name}` must be a positive number, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
+    if value not in choices:
+        raise ConfigError(f"`{name}` must be one of {list(choices)}, got {value!r}")

@@ -1,0 +1,177 @@
+"""LAuReL: Learned Augmented Residual Layer (Menghani, Kumar & Kumar, ICML 2025).
+
+Generalises the residual connection around one sublayer with output ``f = f(x)``:
+
+    RW     y = α_s·f + β_s·x                  (α_s, β_s) = softmax(α̃, β̃)
+    LR     y = f + x + (x·A)·B                A: [D, r], B: [r, D]
+    RW+LR  y = α_s·f + β_s·(x + (x·A)·B)
+
+``x`` is the sublayer's input residual (before its pre-norm), ``f`` the whole branch
+output including the pre-norm. Activations are row vectors, so the seed's "B A x" is
+written ``(x·A)·B``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ._backend import Backend, check_backend, resolve_backend
+from ._errors import ConfigError, ShapeError
+from ._validation import check_choice, check_positive_int, check_same_device, check_same_dtype, check_tensor
+
+__all__ = ["laurel_reference", "laurel_weights", "LAuReL", "LAuReLBlock", "laurel_lr_init"]
+
+
+def laurel_weights(alpha_logit: torch.Tensor, beta_logit: torch.Tensor) -> torch.Tensor:
+    """(α_s, β_s) = softmax(α̃, β̃) in fp32, as a tensor of shape [2]."""
+    return torch.softmax(torch.stack([alpha_logit.float().reshape(()), beta_logit.float().reshape(())]), dim=0)
+
+
+def laurel_reference(
+    f: torch.Tensor,
+    x: torch.Tensor,
+    alpha_logit: torch.Tensor | None = None,
+    beta_logit: torch.Tensor | None = None,
+    lr_A: torch.Tensor | None = None,
+    lr_B: torch.Tensor | None = None,
+    *,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Reference LAuReL combination.
+
+    Args:
+        f: branch output ``[..., D]``.
+        x: branch input residual ``[..., D]`` (same shape and dtype as ``f``).
+        alpha_logit, beta_logit: scalar logits; both given → RW weighting.
+        lr_A ``[D, r]``, lr_B ``[r, D]``: both given → low-rank augmentation.
+        upcast: compute in fp32 and cast back (the ground truth); ``False`` keeps
+            the input dtype (the same-dtype eager baseline).
+    Returns:
+        ``y`` with the shape and dtype of ``f``.
+    """
+    dtype = f.dtype
+    cf, cx = (f.float(), x.float()) if upcast else (f, x)
+    u = cx
+    if lr_A is not None:
+        # matmuls in model dtype with fp32 accumulation, as the spec prescribes
+        low_rank = (x @ lr_A.to(x.dtype)) @ lr_B.to(x.dtype)
+        u = cx + low_rank.to(cx.dtype)
+    if alpha_logit is None:
+        y = cf + u
+    else:
+        w = laurel_weights(alpha_logit, beta_logit).to(cf.dtype)
+        y = w[0] * cf + w[1] * u
+    return y.to(dtype)
+
+
+def laurel_lr_init(hidden_size: int, rank: int) -> torch.Tensor:
+    """Column-orthogonal A: A[i, j] = 1/sqrt(r·D) where i mod r == j, else 0."""
+    a = torch.zeros(hidden_size, rank)
+    rows = torch.arange(hidden_size)
+    a[rows, rows % rank] = 1.0 / math.sqrt(rank * hidden_size)
+    return a
+
+
+class LAuReL(nn.Module):
+    """LAuReL residual combination for one sublayer: ``y = module(f, x)``.
+
+    Args:
+        hidden_size: D.
+        use_rw: learned residual weights (2 parameters: ``alpha_logit``, ``beta_logit``).
+        use_lr: low-rank augmentation (2·r·D parameters: ``lr_A`` [D, r], ``lr_B`` [r, D]).
+        lr_rank: r, 1 ≤ r ≤ D (seed default 32; the paper recommends 32–64).
+        rw_init: initial (α̃, β̃). Default (0, 0) → α_s = β_s = 0.5; (0, 2) gives a
+            near-identity start (β_s ≈ 0.88).
+        backend: "auto" | "triton" | "reference".
+
+    Shapes: ``f`` and ``x`` are ``[..., D]`` (typically ``[batch, seq, D]``), fp32/bf16/fp16.
+
+    Example::
+
+        laurel = LAuReL(512, use_rw=True, use_lr=True, lr_rank=32)
+        y = laurel(attn(norm(x)), x)
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        use_rw: bool = True,
+        use_lr: bool = False,
+        lr_rank: int = 32,
+        rw_init: tuple[float, float] = (0.0, 0.0),
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        check_positive_int("hidden_size", hidden_size)
+        check_backend(backend)
+        if not (use_rw or use_lr):
+            raise ConfigError("LAuReL needs at least one variant: set use_rw=True and/or use_lr=True")
+        if use_lr:
+            check_positive_int("lr_rank", lr_rank)
+            if lr_rank > hidden_size:
+                raise ConfigError(
+                    f"`lr_rank` must be <= hidden_size ({hidden_size}) for a column-orthogonal A, got {lr_rank}"
+                )
+        if len(rw_init) != 2 or not all(math.isfinite(float(v)) for v in rw_init):
+            raise ConfigError(f"`rw_init` must be two finite floats (alpha, beta), got {rw_init!r}")
+        self.hidden_size, self.use_rw, self.use_lr = hidden_size, use_rw, use_lr
+        self.lr_rank = lr_rank if use_lr else 0
+        self.backend = backend
+        if use_rw:
+            self.alpha_logit = nn.Parameter(torch.tensor(float(rw_init[0])))
+            self.beta_logit = nn.Parameter(torch.tensor(float(rw_init[1])))
+        if use_lr:
+            self.lr_A = nn.Parameter(laurel_lr_init(hidden_size, lr_rank))
+            self.lr_B = nn.Parameter(torch.zeros(lr_rank, hidden_size))
+
+    def extra_repr(self) -> str:
+        return f"hidden_size={self.hidden_size}, use_rw={self.use_rw}, use_lr={self.use_lr}, lr_rank={self.lr_rank}, backend={self.backend!r}"
+
+    def _params(self):
+        a = self.alpha_logit if self.use_rw else None
+        b = self.beta_logit if self.use_rw else None
+        la = self.lr_A if self.use_lr else None
+        lb = self.lr_B if self.use_lr else None
+        return a, b, la, lb
+
+    def forward(self, f: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("f", f, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+        check_tensor("x", x)
+        if f.shape != x.shape:
+            raise ShapeError(f"`f` and `x` must have the same shape, got f {tuple(f.shape)} and x {tuple(x.shape)}")
+        if f.dim() == 0 or f.shape[-1] != self.hidden_size:
+            raise ShapeError(f"last dim of `f`/`x` must be hidden_size={self.hidden_size}, got shape {tuple(f.shape)}")
+        check_same_dtype(f=f, x=x)
+        check_same_device(f=f, x=x, weight=next(self.parameters()))
+        params = self._params()
+        if self.use_rw and not torch.compiler.is_compiling():
+            if not bool(torch.isfinite(torch.stack([params[0], params[1]])).all()):
+                raise ValueError("LAuReL `alpha_logit`/`beta_logit` are not finite")
+        if resolve_backend(self.backend, f, x) == "triton":
+            from laminae.triton_ops.laurel import laurel
+
+            return laurel(f, x, *params)
+        return laurel_reference(f, x, *params)
+
+
+class LAuReLBlock(nn.Module):
+    """A pre-norm sublayer wrapped with LAuReL: ``y = LAuReL(sublayer(norm(x)), base)``.
+
+    ``augment_input`` picks what the residual path g acts on (spec open point 2):
+    "residual" (default, recommended) uses the un-normalised stream ``x``; "normed"
+    uses the normalised input ``norm(x)``.
+    """
+
+    def __init__(self, sublayer: nn.Module, norm: nn.Module | None, hidden_size: int,
+                 augment_input: str = "residual", **laurel_kwargs) -> None:
+        super().__init__()
+        check_choice("augment_input", augment_input, ("residual", "normed"))
+        self.sublayer, self.norm = sublayer, norm if norm is not None else nn.Identity()
+        self.augment_input = augment_input
+        self.laurel = LAuReL(hidden_size, **laurel_kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return self.laurel(self.sublayer(h), x if self.augment_input == "residual" else h)

@@ -1,0 +1,2 @@
+"""laminae.recipes: published model designs assembled from laminae.primitives."""
+__all__: list[str] = []
