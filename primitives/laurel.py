@@ -25,8 +25,10 @@ __all__ = ["laurel_reference", "laurel_weights", "LAuReL", "LAuReLBlock", "laure
 
 
 def laurel_weights(alpha_logit: torch.Tensor, beta_logit: torch.Tensor) -> torch.Tensor:
-    """(α_s, β_s) = softmax(α̃, β̃) in fp32, as a tensor of shape [2]."""
-    return torch.softmax(torch.stack([alpha_logit.float().reshape(()), beta_logit.float().reshape(())]), dim=0)
+    """(α_s, β_s) = softmax(α̃, β̃) in fp32 (fp64 for fp64 logits), as a tensor of shape [2]."""
+    dtype = torch.promote_types(alpha_logit.dtype, torch.float32)
+    logits = torch.stack([alpha_logit.reshape(()), beta_logit.reshape(())]).to(dtype)
+    return torch.softmax(logits, dim=0)
 
 
 def laurel_reference(

@@ -2,7 +2,22 @@
 
 Each public function has the signature of its ``*_reference`` twin in
 ``laminae.primitives`` and is differentiable (registered with
-``torch.library.triton_op`` + ``register_autograd``)."""
-from .laurel import laurel
+``torch.library.triton_op`` + ``register_autograd``).
 
-__all__ = ["laurel"]
+Exports load lazily: importing this package does not import triton, so
+``TRITON_INTERPRET`` can still be set (the tour and the tests do) before the
+first kernel is defined.
+"""
+from importlib import import_module
+
+_EXPORTS = {
+    "laurel": "laurel",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -208,3 +208,21 @@ def static_cases() -> Iterator[StaticCase]:
                                      dict(g_ptr=p, f_ptr=p, x_ptr=p, t_ptr=p, b_ptr=p, w_ptr="*fp32",
                                           df_ptr=p, dl_ptr=p, part_ptr="*fp32", N="i32", D="i32", R="i32"),
                                      const, NUM_WARPS, tags={"dtype": dt})
+
+
+def tour_case(device: torch.device):
+    from .tour import TourCase
+
+    gen = torch.Generator().manual_seed(0)
+    rows, d, rank = 2 * 64, 256, 32
+    inputs = {
+        "f": torch.randn(rows, d, generator=gen).to(device),
+        "x": torch.randn(rows, d, generator=gen).to(device),
+        "alpha_logit": torch.tensor(0.3).to(device),
+        "beta_logit": torch.tensor(-0.2).to(device),
+        "lr_A": (torch.randn(d, rank, generator=gen) / d**0.5).to(device),
+        "lr_B": (torch.randn(rank, d, generator=gen) / rank**0.5).to(device),
+    }
+    from laminae.primitives.laurel import laurel_reference
+
+    return TourCase("laurel (RW+LR, r=32)", laurel, laurel_reference, inputs, list(inputs))

@@ -1,0 +1,47 @@
+"""Test configuration. Runs before anything imports triton: without a CUDA device
+every kernel runs in the Triton interpreter (fp32 exact), so the whole suite
+exercises forward and backward kernels on a CPU-only machine."""
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# exact fp32 products in tl.dot and cuBLAS, so fp32 comparisons are tight
+os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=8, derandomize=True, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=25, **_common)
+settings.register_profile("thorough", max_examples=1000, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_nan_fill():
+    from laminae.triton_ops._common import set_fill_nan
+
+    torch.manual_seed(0)
+    set_fill_nan(True)
+    yield
+    set_fill_nan(False)
+
+
+@pytest.fixture
+def device():
+    return torch.device("cuda" if HAS_CUDA else "cpu")
