@@ -1,0 +1,379 @@
+"""DERF: attention with erf-shaped weights instead of a softmax, and the DERF context gate.
+
+Attention, per head h, for query i and key j (``d`` = head_dim)::
+
+    s_ij = q_i·k_j / sqrt(d)
+    z_ij = α_h·s_ij + b_h
+    w_ij = (γ_h·erf(z_ij) + γ_h) / 2          for visible (i, j), 0 otherwise
+    o_i  = Σ_j w_ij·v_j / (Σ_j w_ij + 1e-8)
+
+A key j is visible to query i when it is causal (j ≤ N − S + i: the S queries are
+the last S of the N key positions) and kept by the ``(batch, N)`` padding mask. The
+weights are bounded, ``w ∈ [min(0, γ), max(0, γ)]``, and are normalised by their
+plain sum (the 1e-8 keeps a fully masked row at 0 instead of 0/0). Per-head
+parameters ``derf_alpha`` (init 1), ``derf_bias`` (init 0), ``derf_gamma`` (init 1).
+
+Context gate (per feature f)::
+
+    logits = proj([retrieved, x])
+    gate_f = γ_f·(erf(α_f·logits_f + b_f) + 1) / 2
+    out    = retrieved·gate
+
+Layout is batch-first: ``q`` is ``[B, S, H, D]``, ``k``/``v`` are ``[B, N, H_kv, D]``
+with ``N ≥ S`` and ``H % H_kv == 0`` (grouped-query attention: query head ``h`` reads
+kv head ``h // (H // H_kv)``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._backend import Backend, check_backend, resolve_backend
+from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
+from ._validation import (
+    FLOAT_DTYPES,
+    check_keep_mask,
+    check_positive_int,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+
+__all__ = [
+    "DERF_EPS",
+    "derf_attention_reference",
+    "derf_context_gate_reference",
+    "DERFAttention",
+    "DERFCache",
+    "DERFContextGate",
+]
+
+# Added to the row sum of the weights before normalising, exactly as in the seed.
+DERF_EPS = 1e-8
+
+
+def _causal_visible(queries: int, keys: int, device: torch.device) -> torch.Tensor:
+    """[S, N] bool: query i (absolute position N − S + i) sees key j ≤ N − S + i."""
+    qpos = torch.arange(queries, device=device)[:, None] + (keys - queries)
+    return torch.arange(keys, device=device)[None, :] <= qpos
+
+
+def derf_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    derf_alpha: torch.Tensor,
+    derf_bias: torch.Tensor,
+    derf_gamma: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    *,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Reference DERF attention (materialises the [B, H, S, N] weights; clarity first).
+
+    Args:
+        q: ``[B, S, H, D]`` queries; query i sits at absolute position ``N − S + i``.
+        k, v: ``[B, N, H_kv, D]`` keys and values (``N ≥ S``, ``H % H_kv == 0``).
+        derf_alpha, derf_bias, derf_gamma: ``[H]`` per-head erf slope, offset and scale.
+        key_mask: optional ``(B, N)`` keep mask over keys (bool or 0/1).
+        upcast: compute in fp32 and cast back (the ground truth); ``False`` keeps the
+            input dtype (the same-dtype eager baseline, and fp64 for gradcheck).
+    Returns:
+        ``[B, S, H, D]`` in the dtype of ``q``. A query that sees no key returns 0.
+
+    The seed writes the masked scores as -10000 before the erf and then zeroes the
+    masked weights. The fill is dead code: masked weights are overwritten with a
+    constant, so neither their value nor their gradient depends on the filled score.
+    Here the masked weights are simply replaced by 0.
+    """
+    dtype = q.dtype
+    compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
+    B, S, H, D = q.shape
+    N, kv_heads = k.shape[1], k.shape[2]
+    group = H // kv_heads
+    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
+    if group > 1:
+        kc = kc.repeat_interleave(group, dim=2)
+        vc = vc.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
+    alpha = derf_alpha.to(compute).view(1, H, 1, 1)
+    bias = derf_bias.to(compute).view(1, H, 1, 1)
+    gamma = derf_gamma.to(compute).view(1, H, 1, 1)
+    weights = (gamma * torch.erf(alpha * scores + bias) + gamma) / 2.0
+    visible = _causal_visible(S, N, q.device)[None, None]
+    if key_mask is not None:
+        visible = visible & key_mask.to(device=q.device).bool()[:, None, None, :]
+    weights = torch.where(visible, weights, torch.zeros((), dtype=compute, device=q.device))
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + DERF_EPS)
+    out = torch.einsum("bhsn,bnhd->bshd", weights, vc)
+    return out.to(dtype)
+
+
+def derf_context_gate_reference(
+    retrieved: torch.Tensor,
+    logits: torch.Tensor,
+    alpha: torch.Tensor,
+    bias: torch.Tensor,
+    gamma: torch.Tensor,
+    *,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Reference DERF context gate: ``retrieved · γ·(erf(α·logits + b) + 1)/2``.
+
+    Args:
+        retrieved: ``[..., F]`` the value being gated.
+        logits: ``[..., F]`` gate pre-activations (``proj([retrieved, x])`` in the module).
+        alpha, bias, gamma: ``[F]`` per-feature slope, offset and scale.
+        upcast: compute in fp32 and cast back; ``False`` keeps the input dtype.
+    Returns:
+        ``[..., F]`` in the dtype of ``retrieved``.
+    """
+    dtype = retrieved.dtype
+    compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
+    r, lg = retrieved.to(compute), logits.to(compute)
+    gate = gamma.to(compute) * ((torch.erf(alpha.to(compute) * lg + bias.to(compute)) + 1.0) / 2.0)
+    return (r * gate).to(dtype)
+
+
+# ----------------------------------------------------------------------------
+# Decoding cache
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class DERFCache:
+    """Keys, values and the key keep mask of the tokens seen so far, in preallocated
+    buffers of ``max_len`` positions with a fill index (shapes stay static).
+
+    ``key``/``value``: ``[B, max_len, H_kv, D]``; ``keep``: ``[B, max_len]`` bool;
+    ``length``: how many positions are filled. ``has_mask`` records whether any
+    appended chunk came with a padding mask (otherwise the kernels skip the mask).
+    Meant for inference (``torch.no_grad()``): appending writes the buffers in place.
+
+    Example::
+
+        cache = DERFCache.allocate(batch, max_len, num_kv_heads, head_dim, torch.float32, "cuda")
+        out, cache = attn(q_prompt, k_prompt, v_prompt, prompt_mask, cache=cache)
+        out, cache = attn(q_next, k_next, v_next, cache=cache)   # one token at a time
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    keep: torch.Tensor
+    length: int = 0
+    has_mask: bool = False
+
+    @classmethod
+    def allocate(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> "DERFCache":
+        for name, value in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            check_positive_int(name, value)
+        if dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"`dtype` of a DERFCache must be a float dtype, got {dtype}")
+        shape = (batch, max_len, num_kv_heads, head_dim)
+        return cls(
+            key=torch.zeros(shape, dtype=dtype, device=device),
+            value=torch.zeros(shape, dtype=dtype, device=device),
+            keep=torch.ones(batch, max_len, dtype=torch.bool, device=device),
+        )
+
+    @property
+    def batch(self) -> int:
+        return self.key.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.key.shape[1]
+
+    def reset(self) -> None:
+        self.length, self.has_mask = 0, False
+        self.keep.fill_(True)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None):
+        """Write ``k``/``v`` ``[B, S_new, H_kv, D]`` (and their ``(B, S_new)`` keep mask)
+        after the filled positions; return views of everything filled so far:
+        ``(keys, values, keep_or_None)``. Callers validate first (``DERFAttention`` does)."""
+        start, end = self.length, self.length + k.shape[1]
+        self.key[:, start:end].copy_(k)
+        self.value[:, start:end].copy_(v)
+        if keep is not None:
+            self.keep[:, start:end].copy_(keep.bool())
+            self.has_mask = True
+        else:
+            self.keep[:, start:end].fill_(True)
+        self.length = end
+        return self.key[:, :end], self.value[:, :end], (self.keep[:, :end] if self.has_mask else None)
+
+
+# ----------------------------------------------------------------------------
+# Modules
+# ----------------------------------------------------------------------------
+
+
+class DERFAttention(nn.Module):
+    """DERF attention core: the per-head erf weighting that replaces softmax.
+
+    Owns the seed's per-head parameters ``derf_alpha`` (ones), ``derf_bias`` (zeros)
+    and ``derf_gamma`` (ones), each ``[num_heads]``; projections, norms and rotary
+    embeddings stay with the caller.
+
+    Args:
+        num_heads: H, query heads.
+        num_kv_heads: H_kv, key/value heads; must divide ``num_heads``.
+        head_dim: D.
+        backend: "auto" | "triton" | "reference".
+
+    ``forward(q, k, v, attention_mask=None, cache=None) -> (out, cache)``:
+
+    - without a cache: ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` with
+      ``N ≥ S`` (the queries are the last S positions), ``attention_mask`` ``(B, N)``;
+      returns ``(out, None)``.
+    - with a :class:`DERFCache`: ``k``/``v`` are the S new tokens ``[B, S, H_kv, D]``
+      and ``attention_mask`` is their ``(B, S)`` keep mask; they are appended to the
+      cache, the queries attend to everything cached, and the cache is returned.
+
+    ``out`` is ``[B, S, H, D]`` in the dtype of ``q``.
+
+    Example::
+
+        attn = DERFAttention(num_heads=8, num_kv_heads=2, head_dim=64)
+        out, _ = attn(q, k, v, attention_mask=keep)           # training / prefill
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: Backend = "auto") -> None:
+        super().__init__()
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("num_kv_heads", num_kv_heads)
+        check_positive_int("head_dim", head_dim)
+        check_backend(backend)
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"`num_kv_heads` must divide num_heads={num_heads}, got {num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.backend = backend
+        self.derf_alpha = nn.Parameter(torch.ones(num_heads))
+        self.derf_bias = nn.Parameter(torch.zeros(num_heads))
+        self.derf_gamma = nn.Parameter(torch.ones(num_heads))
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, backend={self.backend!r}")
+
+    def allocate_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str | None = None) -> DERFCache:
+        return DERFCache.allocate(batch, max_len, self.num_kv_heads, self.head_dim, dtype,
+                                  device if device is not None else self.derf_alpha.device)
+
+    def _check(self, q, k, v, attention_mask, cache) -> None:
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        check_tensor("q", q, shape=(None, None, H, D), layout="[batch, seq, num_heads, head_dim]")
+        B, S = q.shape[0], q.shape[1]
+        kv_layout = "[batch, keys, num_kv_heads, head_dim]"
+        check_tensor("k", k, shape=(B, None, Hkv, D), layout=kv_layout)
+        check_tensor("v", v, shape=(B, k.shape[1], Hkv, D), layout=kv_layout)
+        check_same_dtype(q=q, k=k, v=v)
+        check_same_device(q=q, k=k, v=v, attention_mask=attention_mask, derf_alpha=self.derf_alpha)
+        if S == 0:
+            raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
+        if cache is None:
+            if k.shape[1] < S:
+                raise ShapeError(
+                    f"`k`/`v` must cover at least the {S} query positions (N >= S), got N={k.shape[1]}")
+            check_keep_mask("attention_mask", attention_mask, B, k.shape[1])
+            return
+        if not isinstance(cache, DERFCache):
+            raise TypeError(f"`cache` must be a DERFCache or None, got {type(cache).__name__}")
+        if k.shape[1] != S:
+            raise ShapeError(
+                f"with a cache, `k`/`v` hold the {S} new tokens of `q`, got {k.shape[1]} key positions")
+        check_keep_mask("attention_mask", attention_mask, B, S)
+        want = (B, cache.max_len, Hkv, D)
+        if tuple(cache.key.shape) != want:
+            raise ShapeError(
+                f"`cache` buffers must be [batch, max_len, num_kv_heads, head_dim] = {want}, "
+                f"got {tuple(cache.key.shape)}")
+        if cache.key.dtype != k.dtype:
+            raise DTypeError(f"`cache` dtype must match k ({k.dtype}), got {cache.key.dtype}")
+        if cache.key.device != k.device:
+            raise DeviceError(f"`cache` must be on the device of k ({k.device}), got {cache.key.device}")
+        if cache.length + S > cache.max_len:
+            raise ConfigError(
+                f"`cache` overflow: it holds {cache.length} of max_len={cache.max_len} positions, "
+                f"cannot append {S} more")
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: DERFCache | None = None,
+    ) -> tuple[torch.Tensor, DERFCache | None]:
+        self._check(q, k, v, attention_mask, cache)
+        key_mask = attention_mask
+        if cache is not None:
+            k, v, key_mask = cache.append(k, v, attention_mask)
+        params = (self.derf_alpha, self.derf_bias, self.derf_gamma)
+        if resolve_backend(self.backend, q, k, v) == "triton":
+            from laminae.triton_ops.derf import derf_attention
+
+            return derf_attention(q, k, v, *params, key_mask), cache
+        return derf_attention_reference(q, k, v, *params, key_mask), cache
+
+
+class DERFContextGate(nn.Module):
+    """DERF context gate: ``retrieved · γ·(erf(α·proj([retrieved, x]) + b) + 1)/2``.
+
+    Parameters follow the seed: ``proj`` = ``nn.Linear(2·obs_size, obs_size)``
+    (default init), ``alpha`` (ones), ``bias`` (``init_bias``; the default −4 starts
+    the gate nearly closed, ≈ 1e-8·γ) and ``gamma`` (ones), each ``[obs_size]``.
+    The projection runs in PyTorch on both backends; the kernel fuses the gate.
+
+    Shapes: ``retrieved`` and ``x`` are ``[..., obs_size]`` with the same shape and
+    dtype; the output has that shape and dtype.
+
+    Example::
+
+        gate = DERFContextGate(512)
+        y = gate(memory_read, hidden)
+    """
+
+    def __init__(self, obs_size: int, init_bias: float = -4.0, backend: Backend = "auto") -> None:
+        super().__init__()
+        check_positive_int("obs_size", obs_size)
+        check_backend(backend)
+        if isinstance(init_bias, bool) or not isinstance(init_bias, (int, float)) or not math.isfinite(init_bias):
+            raise ConfigError(f"`init_bias` must be a finite number, got {init_bias!r}")
+        self.obs_size, self.backend = obs_size, backend
+        self.proj = nn.Linear(obs_size * 2, obs_size)
+        self.alpha = nn.Parameter(torch.ones(obs_size))
+        self.bias = nn.Parameter(torch.full((obs_size,), float(init_bias)))
+        self.gamma = nn.Parameter(torch.ones(obs_size))
+
+    def extra_repr(self) -> str:
+        return f"obs_size={self.obs_size}, backend={self.backend!r}"
+
+    def forward(self, retrieved: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        check_tensor("retrieved", retrieved)
+        check_tensor("x", x)
+        if retrieved.dim() == 0 or retrieved.shape[-1] != self.obs_size:
+            raise ShapeError(
+                f"last dim of `retrieved` must be obs_size={self.obs_size}, got shape {tuple(retrieved.shape)}")
+        if x.shape != retrieved.shape:
+            raise ShapeError(
+                f"`x` must have the shape of `retrieved` {tuple(retrieved.shape)}, got {tuple(x.shape)}")
+        check_same_dtype(retrieved=retrieved, x=x)
+        check_same_device(retrieved=retrieved, x=x, weight=self.proj.weight)
+        if not torch.is_autocast_enabled(retrieved.device.type) and retrieved.dtype != self.proj.weight.dtype:
+            raise DTypeError(
+                f"`retrieved`/`x` dtype must match the module parameters ({self.proj.weight.dtype}) "
+                f"outside autocast, got {retrieved.dtype}")
+        logits = self.proj(torch.cat([retrieved, x], dim=-1))
+        if resolve_backend(self.backend, retrieved, logits) == "triton":
+            from laminae.triton_ops.derf import derf_context_gate
+
+            return derf_context_gate(retrieved, logits, self.alpha, self.bias, self.gamma)
+        return derf_context_gate_reference(retrieved, logits, self.alpha, self.bias, self.gamma)
