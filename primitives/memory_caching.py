@@ -1,0 +1,398 @@
+"""Memory Caching: a gated linear-attention memory over segments (arXiv 2602.24281).
+
+The sequence is cut into segments of ``segment_len`` tokens. Every segment i keeps
+a linear-attention memory of its tokens, with φ(x) = elu(x) + 1:
+
+    M_i = Σ_{m∈i} φ(k_m) v_mᵀ   [D, D]        z_i = Σ_{m∈i} φ(k_m)   [D]
+
+A token t in segment s reads every earlier segment's full memory and its own
+segment causally (tokens m ≤ t only), un-normalised:
+
+    num_i(t) = φ(q_t)ᵀ M_i,  den_i(t) = φ(q_t)·z_i             i < s
+    num_s(t) = Σ_{m∈s, m≤t} (φ(q_t)·φ(k_m)) v_m,  den_s(t) = Σ_{m∈s, m≤t} φ(q_t)·φ(k_m)
+
+The reads are mixed by per-token gates, a softmax over the segments i ≤ s of
+⟨u_t, pool_i⟩, where pool_i is the mean of p over segment i's valid tokens and,
+on the diagonal (i = s), the causal running mean over its tokens m ≤ t:
+
+    γ_{t,i} = softmax_{i≤s} ⟨u_t, pool_i⟩
+    y_t = Σ_i γ_{t,i} num_i(t) / (Σ_i γ_{t,i} den_i(t) + eps)      (one global normaliser)
+
+Padding (keep mask 0) removes a token's key from every memory and its p from every
+pool. Everything runs in fp32 (the denominator underflows in bf16).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Hashable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._backend import Backend, check_backend, resolve_backend
+from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
+from ._validation import (FLOAT_DTYPES, check_keep_mask, check_positive_float, check_positive_int,
+                          check_same_device, check_same_dtype, check_tensor)
+
+__all__ = [
+    "memory_caching_reference", "check_memory_caching_inputs", "elu_feature_map",
+    "MemoryCacheBranch", "MemoryCacheState", "MemoryCacheEntry",
+]
+
+
+def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
+    """φ(x) = elu(x) + 1 (positive; the Katharopoulos linear-attention feature map)."""
+    return F.elu(x) + 1.0
+
+
+def check_memory_caching_inputs(q, k, v, u, p, segment_len, mask, eps) -> None:
+    """Validate the arguments of :func:`memory_caching_reference` (and its kernel)."""
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES, layout="[batch, seq, heads, head_dim]")
+    B, S, H, D = q.shape
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, shape=(B, S, H, D), dtypes=FLOAT_DTYPES, layout="[batch, seq, heads, head_dim]")
+    check_tensor("u", u, ndim=3, dtypes=FLOAT_DTYPES, layout="[batch, seq, gate_dim]")
+    G = u.shape[-1]
+    check_tensor("p", p, shape=(B, S, G), dtypes=FLOAT_DTYPES, layout="[batch, seq, gate_dim]")
+    check_tensor("u", u, shape=(B, S, G), dtypes=FLOAT_DTYPES, layout="[batch, seq, gate_dim]")
+    if S == 0 or H == 0 or D == 0 or G == 0:
+        raise ShapeError(f"memory caching needs at least one token, head, head dim and gate dim; "
+                         f"got q {tuple(q.shape)}, u {tuple(u.shape)}")
+    check_same_dtype(q=q, k=k, v=v, u=u, p=p)
+    check_same_device(q=q, k=k, v=v, u=u, p=p, mask=mask)
+    check_keep_mask("mask", mask, B, S)
+    check_positive_int("segment_len", segment_len)
+    check_positive_float("eps", eps)
+
+
+def memory_caching_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    u: torch.Tensor,
+    p: torch.Tensor,
+    segment_len: int,
+    mask: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Reference Memory Caching readout (before the output projection).
+
+    Args:
+        q, k, v: ``[B, S, H, D]`` raw projections (φ is applied to q and k here).
+        u: ``[B, S, G]`` per-token gate queries.
+        p: ``[B, S, G]`` per-token gate keys, mean-pooled per segment.
+        segment_len: L, tokens per segment; S need not be a multiple of L.
+        mask: optional ``(B, S)`` 0/1 keep mask (padding).
+        eps: added to the global denominator.
+        upcast: compute in fp32 (fp64 stays fp64) and cast back — the ground truth;
+            ``False`` computes in the input dtype.
+    Returns:
+        ``y`` ``[B, S, H, D]`` in the dtype of ``q``.
+
+    Written for clarity: it builds every (query segment, key segment) readout,
+    a [B, N, N, L, H, D] tensor for N = ⌈S/L⌉ segments.
+    """
+    check_memory_caching_inputs(q, k, v, u, p, segment_len, mask, eps)
+    dtype = q.dtype
+    cdt = torch.promote_types(dtype, torch.float32) if upcast else dtype
+    B, S, H, D = q.shape
+    L = segment_len
+    N = -(-S // L)
+    pad = N * L - S
+    keep = torch.ones(B, S, dtype=cdt, device=q.device) if mask is None else mask.to(cdt)
+
+    def segments(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [B, N, L, ...]
+        t = t.to(cdt)
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.reshape(B, N, L, *t.shape[2:])
+
+    keep = segments(keep)                                     # [B, N, L]
+    phi_q = elu_feature_map(segments(q))                      # [B, N, L, H, D]
+    phi_k = elu_feature_map(segments(k)) * keep[..., None, None]
+    v_s = segments(v)
+
+    # Full memories of every segment and every query's read of each of them.
+    mem = torch.einsum("bnlhd,bnlhe->bnhde", phi_k, v_s)     # [B, N, H, D, D]
+    mem_z = phi_k.sum(2)                                      # [B, N, H, D]
+    num = torch.einsum("bqlhd,bihde->bqilhe", phi_q, mem)     # [B, Nq, Ni, L, H, D]
+    den = torch.einsum("bqlhd,bihd->bqilh", phi_q, mem_z)     # [B, Nq, Ni, L, H]
+
+    # Own segment: causal within the segment.
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    scores = torch.einsum("bnlhd,bnmhd->bnhlm", phi_q, phi_k) * causal
+    num_own = torch.einsum("bnhlm,bnmhe->bnlhe", scores, v_s)  # [B, N, L, H, D]
+    den_own = scores.sum(-1).permute(0, 1, 3, 2)               # [B, N, L, H]
+    diagonal = torch.eye(N, dtype=torch.bool, device=q.device)[None, :, :, None, None]
+    num = torch.where(diagonal[..., None], num_own[:, :, None], num)
+    den = torch.where(diagonal, den_own[:, :, None], den)
+
+    # Gates: softmax over segments i <= s of <u_t, pool_i>; causal running mean on i = s.
+    p_s = segments(p) * keep[..., None]                        # [B, N, L, G]
+    u_s = segments(u)
+    pool = p_s.sum(2) / keep.sum(2).clamp_min(1)[..., None]    # [B, N, G]
+    running = p_s.cumsum(2) / keep.cumsum(2).clamp_min(1)[..., None]
+    score = torch.einsum("bqlg,big->bqil", u_s, pool)          # [B, Nq, Ni, L]
+    score_own = (u_s * running).sum(-1)                        # [B, N, L]
+    score = torch.where(diagonal[..., 0], score_own[:, :, None], score)
+    later = torch.ones(N, N, dtype=torch.bool, device=q.device).triu(1)
+    score = score.masked_fill(later[None, :, :, None], float("-inf"))
+    gamma = torch.softmax(score, dim=2)                        # [B, Nq, Ni, L]
+
+    y_num = (gamma[..., None, None] * num).sum(2)              # [B, N, L, H, D]
+    y_den = (gamma[..., None] * den).sum(2)                    # [B, N, L, H]
+    y = y_num / (y_den[..., None] + eps)
+    return y.reshape(B, N * L, H, D)[:, :S].to(dtype)
+
+
+# ----------------------------------------------------------------------------
+# Decoding state
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class MemoryCacheEntry:
+    """Exact running state of one call site: the closed segments' memories, the
+    open segment's running sums, and how many tokens were seen. All fp32.
+
+    ``mems`` ``[B, n, H, D, D]``, ``mem_zs`` ``[B, n, H, D]``, ``pools`` ``[B, n, G]``
+    for the n closed segments; ``run_mem`` ``[B, H, D, D]``, ``run_z`` ``[B, H, D]``,
+    ``run_p`` ``[B, G]`` (sum of valid p), ``run_count`` ``[B]`` (valid tokens) for
+    the open one; ``fill`` its token count (< L); ``length`` all tokens seen.
+    """
+
+    mems: torch.Tensor
+    mem_zs: torch.Tensor
+    pools: torch.Tensor
+    run_mem: torch.Tensor
+    run_z: torch.Tensor
+    run_p: torch.Tensor
+    run_count: torch.Tensor
+    fill: int = 0
+    length: int = 0
+
+    @property
+    def batch(self) -> int:
+        return self.run_mem.shape[0]
+
+
+@dataclass
+class MemoryCacheState:
+    """Decoding state of :class:`MemoryCacheBranch`, one entry per call-site key.
+
+    A looped (weight-shared) stack calls one module several times per token with
+    different activations; give each call a distinct ``state_key`` (e.g. the
+    (layer, pass) slot) so each keeps its own memories. ``reset()`` between
+    independent generations.
+
+    Example::
+
+        state = MemoryCacheState()
+        y, state = branch(x_prompt, mask, state=state, state_key=(layer, 0))   # prefill
+        y, state = branch(x_next, state=state, state_key=(layer, 0))           # one token
+    """
+
+    entries: dict[Hashable, MemoryCacheEntry] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.entries.clear()
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.entries
+
+    def __getitem__(self, key: Hashable) -> MemoryCacheEntry:
+        return self.entries[key]
+
+    def pop(self, key: Hashable) -> MemoryCacheEntry | None:
+        return self.entries.pop(key, None)
+
+
+def _capture(phi_k, v, p, keep, segment_len: int) -> MemoryCacheEntry:
+    """State after a prefill of S tokens: phi_k, v ``[B, S, H, D]`` (phi_k already
+    masked), p ``[B, S, G]`` (masked), keep ``[B, S]``; all fp32."""
+    B, S, H, D = phi_k.shape
+    G = p.shape[-1]
+    L = segment_len
+    closed = S // L
+    n = closed * L
+    ks = phi_k[:, :n].reshape(B, closed, L, H, D)
+    vs = v[:, :n].reshape(B, closed, L, H, D)
+    counts = keep[:, :n].reshape(B, closed, L).sum(2).clamp_min(1)
+    return MemoryCacheEntry(
+        mems=torch.einsum("bnlhd,bnlhe->bnhde", ks, vs),
+        mem_zs=ks.sum(2),
+        pools=p[:, :n].reshape(B, closed, L, G).sum(2) / counts[..., None],
+        run_mem=torch.einsum("blhd,blhe->bhde", phi_k[:, n:], v[:, n:]),
+        run_z=phi_k[:, n:].sum(1),
+        run_p=p[:, n:].sum(1),
+        run_count=keep[:, n:].sum(1),
+        fill=S - n,
+        length=S,
+    )
+
+
+def _step(entry: MemoryCacheEntry, phi_q, phi_k, v, u, p, keep, segment_len: int, eps: float) -> torch.Tensor:
+    """One token: phi_q, phi_k (masked), v ``[B, H, D]``; u, p (masked) ``[B, G]``;
+    keep ``[B]``. Updates ``entry`` in place and returns y ``[B, H, D]``."""
+    entry.run_mem = entry.run_mem + torch.einsum("bhd,bhe->bhde", phi_k, v)
+    entry.run_z = entry.run_z + phi_k
+    entry.run_p = entry.run_p + p
+    entry.run_count = entry.run_count + keep
+    entry.fill += 1
+    entry.length += 1
+
+    running_pool = entry.run_p / entry.run_count.clamp_min(1)[:, None]
+    num = torch.cat([torch.einsum("bhd,bnhde->bnhe", phi_q, entry.mems),
+                     torch.einsum("bhd,bhde->bhe", phi_q, entry.run_mem)[:, None]], dim=1)   # [B, n+1, H, D]
+    den = torch.cat([torch.einsum("bhd,bnhd->bnh", phi_q, entry.mem_zs),
+                     torch.einsum("bhd,bhd->bh", phi_q, entry.run_z)[:, None]], dim=1)       # [B, n+1, H]
+    score = torch.cat([torch.einsum("bg,bng->bn", u, entry.pools), (u * running_pool).sum(-1, keepdim=True)], 1)
+    gamma = torch.softmax(score, dim=1)                                                       # [B, n+1]
+    y = (gamma[:, :, None, None] * num).sum(1) / ((gamma[:, :, None] * den).sum(1)[..., None] + eps)
+
+    if entry.fill == segment_len:   # the open segment is complete: close it
+        entry.mems = torch.cat([entry.mems, entry.run_mem[:, None]], 1)
+        entry.mem_zs = torch.cat([entry.mem_zs, entry.run_z[:, None]], 1)
+        entry.pools = torch.cat([entry.pools, running_pool[:, None]], 1)
+        entry.run_mem = torch.zeros_like(entry.run_mem)
+        entry.run_z = torch.zeros_like(entry.run_z)
+        entry.run_p = torch.zeros_like(entry.run_p)
+        entry.run_count = torch.zeros_like(entry.run_count)
+        entry.fill = 0
+    return y
+
+
+# ----------------------------------------------------------------------------
+# Module
+# ----------------------------------------------------------------------------
+
+
+class MemoryCacheBranch(nn.Module):
+    """Memory Caching branch: projections, the gated segment-memory readout, output
+    projection. Meant to sit parallel to attention (the caller adds
+    ``tanh(gate)·branch(norm(h))``; the zero-init gate and norm are not part of it).
+
+    Args:
+        hidden_size: width of ``x``.
+        num_heads: memory heads (the seed's ``mc_num_heads``).
+        head_dim: per-head width D (``mc_head_dim``).
+        segment_len: tokens per segment L (``mc_segment_len``).
+        gate_dim: width G of the gate query/key (``mc_gate_dim``).
+        eps: added to the global denominator (the seed's 1e-6).
+        backend: "auto" | "triton" | "reference".
+
+    Parameters (the seed's names, ``nn.Linear`` default init, no biases):
+    ``q_proj``, ``k_proj``, ``v_proj`` [H·D, hidden], ``o_proj`` [hidden, H·D],
+    ``u_proj``, ``p_proj`` [G, hidden]. No buffers.
+
+    ``forward(x, attention_mask=None, state=None, state_key=0) -> (y, state)``:
+    ``x`` ``[B, S, hidden]`` (any float dtype; the branch runs in fp32 and returns
+    ``x.dtype``), ``attention_mask`` an optional ``(B, S)`` keep mask for the S
+    tokens of ``x``. Without ``state`` it is a plain forward. With a
+    :class:`MemoryCacheState`: if ``state`` has no entry for ``state_key`` this is
+    a prefill (full forward, then the entry is captured); otherwise the S tokens
+    continue that entry one at a time (exact: prefill + steps == full forward).
+
+    Example::
+
+        branch = MemoryCacheBranch(256, num_heads=4, head_dim=32, segment_len=64, gate_dim=64)
+        y, _ = branch(x)                                  # training / full sequence
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int = 4,
+        head_dim: int = 32,
+        segment_len: int = 64,
+        gate_dim: int = 64,
+        eps: float = 1e-6,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads), ("head_dim", head_dim),
+                            ("segment_len", segment_len), ("gate_dim", gate_dim)):
+            check_positive_int(name, value)
+        check_positive_float("eps", eps)
+        check_backend(backend)
+        self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
+        self.segment_len, self.gate_dim, self.eps = segment_len, gate_dim, float(eps)
+        self.backend = backend
+        inner = num_heads * head_dim
+        self.q_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.k_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.v_proj = nn.Linear(hidden_size, inner, bias=False)
+        self.o_proj = nn.Linear(inner, hidden_size, bias=False)
+        self.u_proj = nn.Linear(hidden_size, gate_dim, bias=False)   # per-token gate query
+        self.p_proj = nn.Linear(hidden_size, gate_dim, bias=False)   # per-segment gate key (mean-pooled)
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, head_dim={self.head_dim}, "
+                f"segment_len={self.segment_len}, gate_dim={self.gate_dim}, eps={self.eps}, backend={self.backend!r}")
+
+    def _project(self, xf: torch.Tensor):
+        B, S, _ = xf.shape
+        H, D = self.num_heads, self.head_dim
+
+        def lin(layer):
+            return F.linear(xf, layer.weight.float())
+
+        return (lin(self.q_proj).view(B, S, H, D), lin(self.k_proj).view(B, S, H, D),
+                lin(self.v_proj).view(B, S, H, D), lin(self.u_proj), lin(self.p_proj))
+
+    def _check(self, x, attention_mask, state) -> None:
+        check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="[batch, seq, hidden]")
+        if x.shape[-1] != self.hidden_size:
+            raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        if x.shape[1] == 0:
+            raise ShapeError(f"`x` needs at least one token, got shape {tuple(x.shape)}")
+        check_keep_mask("attention_mask", attention_mask, x.shape[0], x.shape[1])
+        if x.device != self.q_proj.weight.device:
+            raise DeviceError(f"`x` is on {x.device} but the parameters are on {self.q_proj.weight.device}")
+        if attention_mask is not None and attention_mask.device != x.device:
+            raise DeviceError(f"`attention_mask` is on {attention_mask.device} but `x` is on {x.device}")
+        if state is not None and not isinstance(state, MemoryCacheState):
+            raise TypeError(f"`state` must be a MemoryCacheState or None, got {type(state).__name__}")
+
+    def _readout(self, q, k, v, u, p, mask) -> torch.Tensor:
+        if resolve_backend(self.backend, q) == "triton":
+            from laminae.triton_ops.memory_caching import memory_caching
+
+            return memory_caching(q, k, v, u, p, self.segment_len, mask, self.eps)
+        return memory_caching_reference(q, k, v, u, p, self.segment_len, mask, self.eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        state: MemoryCacheState | None = None,
+        state_key: Hashable = 0,
+    ) -> tuple[torch.Tensor, MemoryCacheState | None]:
+        self._check(x, attention_mask, state)
+        B, S, _ = x.shape
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            xf = x.float()
+            q, k, v, u, p = self._project(xf)
+            keep = None if attention_mask is None else attention_mask.to(torch.float32)
+            entry = None if state is None else state.entries.get(state_key)
+            if entry is None:
+                y = self._readout(q, k, v, u, p, keep)
+                if state is not None:
+                    with torch.no_grad():
+                        kf = torch.ones(B, S, device=x.device) if keep is None else keep
+                        state.entries[state_key] = _capture(
+                            elu_feature_map(k) * kf[..., None, None], v, p * kf[..., None], kf, self.segment_len)
+            else:
+                if entry.batch != B:
+                    raise ShapeError(f"`state` entry {state_key!r} holds batch {entry.batch}, got x with batch {B}; "
+                                     "reset the state between generations")
+                kf = torch.ones(B, S, device=x.device) if keep is None else keep
+                phi_q, phi_k = elu_feature_map(q), elu_feature_map(k) * kf[..., None, None]
+                pm = p * kf[..., None]
+                y = torch.stack([_step(entry, phi_q[:, t], phi_k[:, t], v[:, t], u[:, t], pm[:, t], kf[:, t],
+                                       self.segment_len, self.eps) for t in range(S)], dim=1)
+            out = F.linear(y.reshape(B, S, -1), self.o_proj.weight.float())
+        return out.to(x.dtype), state

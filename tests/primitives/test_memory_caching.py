@@ -1,0 +1,244 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
+from laminae.primitives.memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
+
+
+def seed_mc_forward(m: MemoryCacheBranch, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """The seed's _mc_forward, step by step (same einsums, same index writes)."""
+    B, S, _ = x.shape
+    h, d, L = m.num_heads, m.head_dim, m.segment_len
+    L = min(L, S)
+    valid = x.new_ones(B, S) if valid is None else valid.to(x.dtype)
+    pad = (L - S % L) % L
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+        valid = F.pad(valid, (0, pad))
+    N = (S + pad) // L
+
+    def heads(proj):
+        return proj(x).view(B, N, L, h, d).permute(0, 3, 1, 2, 4)
+
+    phi = lambda t: F.elu(t) + 1.0  # noqa: E731
+    q = phi(heads(m.q_proj))
+    k = phi(heads(m.k_proj))
+    vm = valid.view(B, N, L)
+    k = k * vm[:, None, :, :, None]
+    v = heads(m.v_proj)
+    A = torch.einsum("bhnld,bhnmd->bhnlm", q, k)
+    A = A * torch.tril(torch.ones(L, L, dtype=A.dtype))
+    num_intra = torch.einsum("bhnlm,bhnmd->bhnld", A, v)
+    den_intra = A.sum(-1)
+    M = torch.einsum("bhnmd,bhnme->bhnde", k, v)
+    z = k.sum(3)
+    num = torch.einsum("bhqld,bhide->bhqile", q, M)
+    den = torch.einsum("bhqld,bhid->bhqil", q, z)
+    idx = torch.arange(N)
+    num = num.clone()
+    den = den.clone()
+    num[:, :, idx, idx] = num_intra
+    den[:, :, idx, idx] = den_intra
+    u = m.u_proj(x).view(B, N, L, m.gate_dim)
+    pp = m.p_proj(x).view(B, N, L, m.gate_dim) * vm.unsqueeze(-1)
+    pool_full = pp.sum(2) / vm.sum(2).clamp_min(1).unsqueeze(-1)
+    score = torch.einsum("bqlg,big->bqil", u, pool_full)
+    cpool = pp.cumsum(2) / vm.cumsum(2).clamp_min(1).unsqueeze(-1)
+    score = score.clone()
+    score[:, idx, idx] = torch.einsum("bqlg,bqlg->bql", u, cpool)
+    seg_ok = idx[None, :] <= idx[:, None]
+    score = score.masked_fill(~seg_ok[None, :, :, None], float("-inf"))
+    gamma = torch.softmax(score, dim=2)
+    g = gamma[:, None]
+    y = (num * g.unsqueeze(-1)).sum(3) / ((den * g).sum(3).unsqueeze(-1) + m.eps)
+    y = y.permute(0, 2, 3, 1, 4).reshape(B, S + pad, h * d)
+    return m.o_proj(y)[:, :S]
+
+
+def _branch(hidden=12, heads=2, head_dim=4, L=4, gate=6, dtype=torch.float32):
+    torch.manual_seed(0)
+    return MemoryCacheBranch(hidden, num_heads=heads, head_dim=head_dim, segment_len=L, gate_dim=gate,
+                             backend="reference").to(dtype)
+
+
+def _ragged(B, S, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(B, S, generator=gen) > 0.3).float()
+    mask[0, :2] = 0.0  # left padding on row 0
+    return mask
+
+
+@pytest.mark.parametrize("S", [1, 3, 4, 10, 16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_reference_equals_seed_math(S, masked):
+    m = _branch()
+    x = torch.randn(2, S, 12)
+    mask = _ragged(2, S) if masked else None
+    y, state = m(x, mask)
+    assert state is None
+    torch.testing.assert_close(y, seed_mc_forward(m, x, mask), atol=1e-5, rtol=1e-5)
+
+
+def test_state_dict_of_seed_loads_strictly():
+    m = _branch(hidden=20, heads=3, head_dim=5, gate=7)
+    inner, H, G = 15, 20, 7
+    seed_keys = {"q_proj.weight": (inner, H), "k_proj.weight": (inner, H), "v_proj.weight": (inner, H),
+                 "o_proj.weight": (H, inner), "u_proj.weight": (G, H), "p_proj.weight": (G, H)}
+    sd = {k: torch.randn(s) for k, s in seed_keys.items()}
+    m.load_state_dict(sd, strict=True)
+    assert {k: tuple(v.shape) for k, v in m.state_dict().items()} == seed_keys
+    for k, v in sd.items():
+        assert torch.equal(m.state_dict()[k], v)
+
+
+def test_causality():
+    m = _branch()
+    x = torch.randn(1, 13, 12)
+    y, _ = m(x)
+    for t in (0, 3, 4, 7, 12):
+        x2 = x.clone()
+        x2[:, t] += torch.randn(12)
+        y2, _ = m(x2)
+        torch.testing.assert_close(y2[:, :t], y[:, :t], atol=0, rtol=0)
+        assert not torch.allclose(y2[:, t], y[:, t])
+
+
+def test_padding_tokens_do_not_reach_valid_outputs():
+    m = _branch()
+    x = torch.randn(2, 11, 12)
+    mask = _ragged(2, 11)
+    y, _ = m(x, mask)
+    x2 = x + (1 - mask)[..., None] * torch.randn(2, 11, 12)  # change only padded tokens
+    y2, _ = m(x2, mask)
+    keep = mask.bool()
+    torch.testing.assert_close(y2[keep], y[keep])
+
+
+def test_single_segment_without_earlier_memory_is_causal_linear_attention():
+    q, k, v = torch.randn(3, 1, 5, 2, 4).unbind(0)
+    u, p = torch.randn(2, 1, 5, 3).unbind(0)
+    y = memory_caching_reference(q, k, v, u, p, segment_len=8)
+    fq, fk = F.elu(q) + 1, F.elu(k) + 1
+    a = torch.einsum("bthd,bshd->bhts", fq, fk).tril()
+    want = torch.einsum("bhts,bshd->bthd", a, v) / (a.sum(-1).transpose(1, 2)[..., None] + 1e-6)
+    torch.testing.assert_close(y, want)
+
+
+def _decode(m, x, mask, prefix, state, key):
+    y0, state = m(x[:, :prefix], None if mask is None else mask[:, :prefix], state=state, state_key=key)
+    ys = [y0]
+    for t in range(prefix, x.shape[1]):
+        yt, state = m(x[:, t:t + 1], None if mask is None else mask[:, t:t + 1], state=state, state_key=key)
+        ys.append(yt)
+    return torch.cat(ys, 1), state
+
+
+@pytest.mark.parametrize("S, prefix", [(13, 5), (13, 8), (3, 1), (3, 3), (9, 2), (12, 12)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_prefill_then_steps_equals_full_forward(S, prefix, masked):
+    m = _branch()
+    x = torch.randn(2, S, 12)
+    mask = _ragged(2, S) if masked else None
+    full, _ = m(x, mask)
+    with torch.no_grad():
+        dec, state = _decode(m, x, mask, prefix, MemoryCacheState(), "a")
+    assert state["a"].length == S
+    assert (dec - full).abs().max() < 1e-5
+
+
+def test_multi_token_continuation_equals_full_forward():
+    m = _branch()
+    x = torch.randn(2, 15, 12)
+    full, _ = m(x)
+    with torch.no_grad():
+        state = MemoryCacheState()
+        a, state = m(x[:, :6], state=state)
+        b, state = m(x[:, 6:15], state=state)
+    torch.testing.assert_close(torch.cat([a, b], 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_two_call_site_keys_keep_separate_states():
+    """A looped stack: one module called twice per token with different activations."""
+    m = _branch()
+    x1, x2 = torch.randn(2, 10, 12), torch.randn(2, 10, 12)
+    full1, _ = m(x1)
+    full2, _ = m(x2)
+    with torch.no_grad():
+        state = MemoryCacheState()
+        o1, state = m(x1[:, :3], state=state, state_key=(0, 0))
+        o2, state = m(x2[:, :3], state=state, state_key=(0, 1))
+        outs1, outs2 = [o1], [o2]
+        for t in range(3, 10):
+            o1, state = m(x1[:, t:t + 1], state=state, state_key=(0, 0))
+            o2, state = m(x2[:, t:t + 1], state=state, state_key=(0, 1))
+            outs1.append(o1)
+            outs2.append(o2)
+    assert set(state.entries) == {(0, 0), (0, 1)}
+    torch.testing.assert_close(torch.cat(outs1, 1), full1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(outs2, 1), full2, atol=1e-5, rtol=1e-5)
+    state.reset()
+    assert not state.entries
+
+
+def test_bf16_input_runs_in_fp32_and_returns_bf16():
+    m = _branch()
+    x = torch.randn(2, 9, 12)
+    y32, _ = m(x)
+    y16, _ = m(x.bfloat16())
+    assert y16.dtype == torch.bfloat16
+    torch.testing.assert_close(y16.float(), seed_mc_forward(m, x.bfloat16().float(), None), atol=2e-2, rtol=2e-2)
+    assert y32.dtype == torch.float32
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradcheck_reference_float64(masked):
+    gen = torch.Generator().manual_seed(0)
+    B, S, H, D, G, L = 2, 7, 2, 2, 3, 3
+    q, k, v = (torch.randn(3, B, S, H, D, generator=gen, dtype=torch.float64)).unbind(0)
+    u, p = (torch.randn(2, B, S, G, generator=gen, dtype=torch.float64)).unbind(0)
+    mask = _ragged(B, S).double() if masked else None
+    args = [t.requires_grad_() for t in (q, k, v, u, p)]
+    assert torch.autograd.gradcheck(lambda *a: memory_caching_reference(*a, L, mask), args, fast_mode=True)
+
+
+def test_errors():
+    m = _branch()
+    with pytest.raises(ShapeError):
+        m(torch.randn(2, 5, 11))
+    with pytest.raises(ShapeError):
+        m(torch.randn(2, 0, 12))
+    with pytest.raises(ShapeError):
+        m(torch.randn(2, 5, 12), torch.ones(2, 4))
+    with pytest.raises(ValueError):
+        m(torch.randn(2, 5, 12), torch.full((2, 5), 0.5))
+    with pytest.raises(DTypeError):
+        m(torch.randn(2, 5, 12).to(torch.int32))
+    with pytest.raises(ConfigError):
+        MemoryCacheBranch(12, segment_len=0)
+    with pytest.raises(ConfigError):
+        MemoryCacheBranch(12, backend="cuda")
+    with pytest.raises(ConfigError):
+        MemoryCacheBranch(12, eps=0.0)
+    with pytest.raises(TypeError):
+        m(torch.randn(2, 5, 12), state={})
+    state = MemoryCacheState()
+    with torch.no_grad():
+        _, state = m(torch.randn(2, 5, 12), state=state)
+        with pytest.raises(ShapeError):
+            m(torch.randn(3, 1, 12), state=state)
+    q = torch.randn(1, 4, 2, 3)
+    u = torch.randn(1, 4, 5)
+    with pytest.raises(ShapeError):
+        memory_caching_reference(q, q, q[:, :3], u, u, 2)
+    with pytest.raises(ShapeError):
+        memory_caching_reference(q, q, q, u, u[..., :4], 2)
+    with pytest.raises(DTypeError):
+        memory_caching_reference(q, q, q.double(), u, u, 2)
+    with pytest.raises(ConfigError):
+        memory_caching_reference(q, q, q, u, u, 0)
+    if torch.cuda.is_available():
+        with pytest.raises(DeviceError):
+            memory_caching_reference(q, q, q.cuda(), u, u, 2)
+    with pytest.raises(DeviceError):
+        memory_caching_reference(q, q, q.to("meta"), u, u, 2)
