@@ -297,7 +297,9 @@ class SiameseNormLayer(nn.Module):
     ``mlp_x_norm.weight``; ``mlp_y_norm.weight``; ``mlp_in_norm.weight`` (if
     normalized_input); plus the wrapped sublayers' own parameters.
 
-    Shapes: ``x``, ``y`` are ``[batch, seq, D]`` (any leading dims), one float dtype.
+    Shapes: ``x``, ``y`` are ``[batch, seq, D]`` (any leading dims), one float dtype;
+    each sublayer must return ``h``'s shape and dtype (under autocast, cast its
+    output back to the streams' dtype or keep the streams in the autocast dtype).
 
     SiameseNorm owns the residual flow: do not combine it with LAuReL or AttnRes in
     one model. StackMemory may act on the sublayer input ``h`` (wrap ``attention``).
