@@ -1,0 +1,250 @@
+import functools
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from laminae.primitives import ConfigError, DTypeError
+from laminae.primitives.engram import (
+    EngramLayerFusion,
+    EngramModule,
+    MultiHeadHashLookup,
+    engram_bucket_ids,
+    engram_fusion_gate_reference,
+    engram_fusion_reference,
+    engram_lookup_reference,
+)
+from laminae.triton_ops.engram import (
+    engram_bucket_ids_triton,
+    engram_fusion,
+    engram_fusion_gate,
+    engram_fusion_gate_fused,
+    engram_lookup,
+    engram_lookup_fused,
+)
+
+from .._helpers import DEVICE, assert_parity, scales, seeds
+
+
+def _lookup_inputs(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy, scale, seed,
+                   dtype=torch.float32, table_dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    lookup = MultiHeadHashLookup(heads, table_size, dc, d, max_ngram, legacy_trunc=legacy)
+    # scale sweeps the input magnitude (the sign hash ignores it; the legacy hash does not)
+    compressed = torch.randn(batch, seq, dc, generator=gen) * scale
+    inp = {
+        "compressed": compressed.to(DEVICE, dtype),
+        "hash_projs": lookup.hash_projs().to(DEVICE),
+        "bit_weights": lookup.bit_weights.to(DEVICE),
+        "tables": (torch.randn(heads, table_size, d, generator=gen) * scale).to(DEVICE, table_dtype),
+        "legacy_trunc": legacy,
+    }
+    if prefix_len:
+        inp["prefix"] = (torch.randn(batch, prefix_len, dc, generator=gen) * scale).to(DEVICE, dtype)
+    return inp
+
+
+lookup_shapes = dict(
+    batch=st.integers(1, 2), seq=st.integers(1, 24), heads=st.integers(1, 3), max_ngram=st.integers(1, 3),
+    # tiny tables: many rows share a bucket, so the gradient accumulation is exercised
+    table_size=st.integers(1, 17), dc=st.integers(1, 40), d=st.integers(1, 70), prefix_len=st.integers(0, 2),
+    legacy=st.booleans(), scale=scales, seed=seeds,
+)
+
+
+@given(deterministic=st.booleans(), **lookup_shapes)
+def test_lookup_matches_reference_fp32(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy,
+                                       scale, seed, deterministic):
+    inp = _lookup_inputs(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy, scale * 3, seed)
+    op = functools.partial(engram_lookup, deterministic=deterministic)
+    assert_parity(op, engram_lookup_reference, inp, ["tables"])
+    # the kernel addressed exactly the reference's buckets
+    args = {k: v for k, v in inp.items() if k not in ("prefix",)}
+    got = engram_bucket_ids_triton(**args, prefix=inp.get("prefix"))
+    full = inp["compressed"] if not prefix_len else torch.cat([inp["prefix"], inp["compressed"]], 1)
+    expected = engram_bucket_ids(full, inp["hash_projs"], inp["bit_weights"], table_size,
+                                 legacy_trunc=legacy)[:, prefix_len:]
+    assert torch.equal(got, expected)
+
+
+@given(**(lookup_shapes | dict(seq=st.integers(1, 12), d=st.integers(1, 40))))
+def test_deterministic_backward_equals_atomic_backward(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len,
+                                                       legacy, scale, seed):
+    inp = _lookup_inputs(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy, scale, seed)
+    grads = []
+    for det in (False, True, True):
+        tables = inp["tables"].clone().requires_grad_()
+        out = engram_lookup(**(inp | {"tables": tables}), deterministic=det)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
+        grads.append(torch.autograd.grad(out, tables, g)[0])
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(grads[1], grads[2])  # reproducible bit for bit
+
+
+def test_lookup_with_many_collisions_and_hot_buckets():
+    # one bucket: every (row, order, head) lands on row 0 of each table
+    inp = _lookup_inputs(2, 10, 2, 3, 1, 8, 33, 2, False, 1.0, 5)
+    assert_parity(engram_lookup, engram_lookup_reference, inp, ["tables"])
+    assert_parity(functools.partial(engram_lookup, deterministic=True), engram_lookup_reference, inp, ["tables"])
+
+
+def test_lookup_accepts_a_list_of_tables_and_long_rows():
+    inp = _lookup_inputs(1, 5, 2, 3, 9, 70, 130, 0, False, 1.0, 6)
+    tables = [t.clone().requires_grad_() for t in inp["tables"].unbind(0)]
+    out = engram_lookup(inp["compressed"], inp["hash_projs"], inp["bit_weights"], tables)
+    ref_tables = [t.detach().clone().requires_grad_() for t in tables]
+    ref = engram_lookup_reference(inp["compressed"], inp["hash_projs"], inp["bit_weights"], ref_tables)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, tables, g), torch.autograd.grad(ref, ref_tables, g)):
+        torch.testing.assert_close(a, b)
+
+
+@given(rows=st.integers(1, 40), fusion_dim=st.integers(1, 70), scale=scales, seed=seeds)
+def test_fusion_gate_matches_reference_fp32(rows, fusion_dim, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    inp = {
+        "hidden_low": (torch.randn(rows, fusion_dim, generator=gen) * scale).to(DEVICE),
+        "key_low": (torch.randn(rows, fusion_dim, generator=gen) * scale).to(DEVICE),
+        "value": (torch.randn(rows, fusion_dim, generator=gen) * scale).to(DEVICE),
+        "hidden_norm_weight": (1 + 0.3 * torch.randn(fusion_dim, generator=gen)).to(DEVICE),
+        "ngram_norm_weight": (1 + 0.3 * torch.randn(fusion_dim, generator=gen)).to(DEVICE),
+    }
+    assert_parity(engram_fusion_gate, engram_fusion_gate_reference, inp, list(inp))
+
+
+def test_fusion_gate_wide_rows_and_leading_dims():
+    gen = torch.Generator().manual_seed(1)
+    f = 300
+    inp = {k: torch.randn(2, 3, f, generator=gen).to(DEVICE) for k in ("hidden_low", "key_low", "value")}
+    inp |= {k: (1 + 0.3 * torch.randn(f, generator=gen)).to(DEVICE) for k in ("hidden_norm_weight", "ngram_norm_weight")}
+    assert_parity(engram_fusion_gate, engram_fusion_gate_reference, inp, list(inp))
+
+
+def test_fusion_matches_reference_with_all_parameter_grads():
+    gen = torch.Generator().manual_seed(2)
+    h, f = 40, 24
+    inp = {
+        "hidden": torch.randn(2, 7, h, generator=gen).to(DEVICE),
+        "ngram": torch.randn(2, 7, h, generator=gen).to(DEVICE),
+        "hidden_down_weight": (torch.randn(f, h, generator=gen) * 0.2).to(DEVICE),
+        "key_proj_weight": (torch.randn(f, h, generator=gen) * 0.2).to(DEVICE),
+        "value_proj_weight": (torch.randn(f, h, generator=gen) * 0.2).to(DEVICE),
+        "out_proj_weight": (torch.randn(h, f, generator=gen) * 0.2).to(DEVICE),
+        "hidden_norm_weight": (1 + 0.1 * torch.randn(f, generator=gen)).to(DEVICE),
+        "ngram_norm_weight": (1 + 0.1 * torch.randn(f, generator=gen)).to(DEVICE),
+    }
+    assert_parity(engram_fusion, engram_fusion_reference, inp, list(inp))
+
+
+def test_modules_backends_agree_and_decode_equals_forward():
+    torch.manual_seed(3)
+    engram = EngramModule(24, 8, num_heads=2, table_size=13, max_ngram=3, gate_init_bias=0.5).to(DEVICE)
+    engram.gate.backend = "reference"  # the DERF gate kernel is tested with DERF
+    fusion = EngramLayerFusion(24, 16).to(DEVICE)
+    with torch.no_grad():
+        fusion.out_proj.weight.normal_()
+    x = torch.randn(2, 9, 24, device=DEVICE)
+    upstream = torch.randn_like(x)
+    results = []
+    for backend in ("reference", "triton"):
+        engram.lookup.backend = fusion.backend = backend
+        res = engram.forward_with_state(x)
+        y = fusion(x, res.retrieved)
+        loss = (res.output * upstream).sum() + (y * y).sum()
+        params = [t.weight for t in engram.lookup.tables] + list(fusion.parameters())
+        results.append((res.retrieved, y, torch.autograd.grad(loss, params)))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])
+    for a, b in zip(results[1][2], results[0][2]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # prefill 4 tokens, then one token at a time (n-grams straddle every boundary)
+    engram.lookup.backend = "triton"
+    full = engram.forward_with_state(x).retrieved
+    res = engram.forward_with_state(x[:, :4])
+    reads, state = [res.retrieved], res.state
+    for t in range(4, 9):
+        res = engram.forward_with_state(x[:, t:t + 1], state)
+        reads.append(res.retrieved)
+        state = res.state
+    assert torch.equal(torch.cat(reads, 1), full)
+
+
+def test_triton_rejects_float64_and_unsupported_sizes():
+    inp = _lookup_inputs(1, 4, 2, 2, 5, 8, 6, 0, False, 1.0, 0)
+    with pytest.raises(DTypeError):
+        engram_lookup(**(inp | {"compressed": inp["compressed"].double()}))
+    with pytest.raises(DTypeError):
+        engram_lookup(**(inp | {"tables": inp["tables"].double()}))
+    with pytest.raises(DTypeError, match="fp32 or in compressed's dtype"):
+        engram_lookup(**(inp | {"tables": inp["tables"].half()}))
+    x = torch.randn(3, 8, dtype=torch.float64, device=DEVICE)
+    w = torch.ones(8, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(DTypeError):
+        engram_fusion_gate(x, x, x, w, w)
+    big = torch.randn(1, 4097, device=DEVICE)
+    with pytest.raises(ConfigError, match="4096"):
+        engram_fusion_gate(big, big, big, torch.ones(4097, device=DEVICE), torch.ones(4097, device=DEVICE))
+    nine = MultiHeadHashLookup(1, 5, 4, 3, max_ngram=9)
+    with pytest.raises(ConfigError, match="max_ngram"):
+        engram_lookup(torch.randn(1, 3, 4, device=DEVICE), nine.hash_projs().to(DEVICE), nine.bit_weights.to(DEVICE),
+                      torch.randn(1, 5, 3, device=DEVICE))
+
+
+def test_opcheck_schema_and_autograd_registration():
+    inp = _lookup_inputs(2, 5, 2, 3, 7, 8, 6, 0, False, 1.0, 1)
+    tables = [t.clone().requires_grad_() for t in inp["tables"].unbind(0)]
+    args = (inp["compressed"], inp["hash_projs"], inp["bit_weights"], tables, 1, False, False)
+    torch.library.opcheck(engram_lookup_fused, args, test_utils=("test_schema", "test_autograd_registration"))
+    gate_args = tuple(torch.randn(5, 12, device=DEVICE, requires_grad=True) for _ in range(3))
+    gate_args += tuple(torch.ones(12, device=DEVICE, requires_grad=True) for _ in range(2)) + (1e-6,)
+    torch.library.opcheck(engram_fusion_gate_fused, gate_args,
+                          test_utils=("test_schema", "test_autograd_registration"))
+
+
+@pytest.mark.gpu
+def test_opcheck_full_gpu():
+    inp = _lookup_inputs(2, 64, 2, 3, 97, 32, 128, 0, False, 1.0, 1)
+    tables = [t.clone().requires_grad_() for t in inp["tables"].unbind(0)]
+    for det in (False, True):
+        torch.library.opcheck(engram_lookup_fused,
+                              (inp["compressed"], inp["hash_projs"], inp["bit_weights"], tables, 2, False, det))
+    gate_args = tuple(torch.randn(64, 256, device="cuda", requires_grad=True) for _ in range(3))
+    gate_args += tuple(torch.ones(256, device="cuda", requires_grad=True) for _ in range(2)) + (1e-6,)
+    torch.library.opcheck(engram_fusion_gate_fused, gate_args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, table_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                                (torch.bfloat16, torch.float32)])
+def test_lookup_low_precision(dtype, table_dtype):
+    inp = _lookup_inputs(2, 200, 4, 3, 4096, 64, 512, 2, False, 1.0, 0, dtype=dtype, table_dtype=table_dtype)
+    assert_parity(engram_lookup, engram_lookup_reference, inp, ["tables"], dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fusion_gate_low_precision(dtype):
+    gen = torch.Generator().manual_seed(0)
+    inp = {k: torch.randn(513, 256, generator=gen).to("cuda", dtype) for k in ("hidden_low", "key_low", "value")}
+    inp |= {k: (1 + 0.1 * torch.randn(256, generator=gen)).to("cuda", dtype)
+            for k in ("hidden_norm_weight", "ngram_norm_weight")}
+    assert_parity(engram_fusion_gate, engram_fusion_gate_reference, inp, list(inp), dtype=dtype)
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_smoke():
+    engram = EngramModule(256, 64, num_heads=4, table_size=4096).cuda()
+    engram.gate.backend = "reference"
+    fusion = EngramLayerFusion(256, 128).cuda()
+    x = torch.randn(2, 64, 256, device="cuda")
+
+    def step(x):
+        read = engram.retrieve(x)
+        return fusion(x, read) + engram(x, retrieved=read)
+
+    y = torch.compile(step, fullgraph=True)(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, step(x))

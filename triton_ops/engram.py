@@ -1,0 +1,597 @@
+"""Engram kernels: the fused n-gram hash + table gather, its table-gradient scatter, and
+the fused agreement gate of the layer fusion.
+
+Lookup forward (``_engram_fwd_kernel``), one program per BLOCK_M rows (row = one
+(batch, position) of the output), one launch per head:
+
+    phase 1, per order n:  a = Σ_k  c[t-n+1+k] · W_{n,k}[head]ᵀ     (tl.dot, fp32 "ieee")
+                           id = (Σ_b 1[a_b > 0]·2^b) mod T           (legacy: ⌊|a_0|⌋ mod T)
+                           ids[row, n, head] = id  (-1 where t < n-1)
+    phase 2, per D tile:   acc += Σ_n table_head[id_n]                (ids kept in registers)
+                           last head: out = acc / (H·min(N, t+1)), else acc → fp32 scratch
+
+The tables are separate tensors (the module keeps the seed's ``nn.Embedding`` per head,
+and stacking them would copy H·T·D values on every call), hence one launch per head and
+an fp32 [rows, D] scratch between launches when H > 1. The hash runs in exact fp32
+(``input_precision="ieee"``) whatever the activation dtype: a tf32 product would flip
+signs and change buckets. The ids ([rows, N, H] int64) are an output and the only
+tensor saved for backward; nothing [rows, T] (one-hot) is ever built.
+
+Lookup backward: d table_h[id] += g[row] / (H·min(N, t+1)) for every valid (row, n).
+* default: ``_engram_bwd_atomic_kernel``, fp32 ``tl.atomic_add`` into a zeroed [H·T, D]
+  buffer, grid (row blocks, D tiles, heads).
+* ``deterministic=True``: torch sorts the (h·T + id) keys stably (ties keep row order)
+  and finds each segment's end with ``searchsorted`` (static shapes, no
+  ``unique``); ``_engram_bwd_segment_kernel`` runs one program per sorted entry, and
+  the first entry of each segment sums the segment's rows in order and writes the
+  row once. Bitwise reproducible; a hot bucket is one long serial loop.
+
+Fusion gate (``_fusion_gate_fwd_kernel`` / ``_fusion_gate_bwd_kernel``), one program per
+BLOCK_M rows of F ≤ 4096 columns held in registers: both RMSNorms, the scaled dot,
+the signed-sqrt sigmoid and the product with the value; the backward recomputes them
+and writes d(hidden_low), d(key_low), d(value) and per-program partial sums of the two
+norm weights' gradients (reduced in torch). The four projections stay ``F.linear``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from laminae.primitives._errors import ConfigError, DTypeError, ShapeError
+from laminae.primitives.engram import GATE_FLOOR, check_lookup_args
+
+from ._common import StaticCase, contiguous, empty, empty_like, triton_dtype
+
+__all__ = ["engram_lookup", "engram_lookup_fused", "engram_bucket_ids_triton", "engram_fusion_gate", "engram_fusion_gate_fused",
+           "engram_fusion", "MAX_NGRAM", "MAX_FUSION_DIM"]
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Lookup tiles.
+BLOCK_M = 16       # output rows per program
+BLOCK_C = 32       # compress_dim chunk of one hash product
+BLOCK_BITS = 32    # hash bits (≤ 24) padded to a tl.dot-friendly width
+BLOCK_NG = 8       # register slots for the ids of every order
+BLOCK_D = 32       # table-row chunk
+NUM_WARPS = 4
+BWD_BLOCK_M = 32
+BWD_BLOCK_D = 64
+SEG_BLOCK_D = 128
+MAX_NGRAM = BLOCK_NG
+# Fusion gate.
+MAX_FUSION_DIM = 4096
+_GATE_TILE = 2048  # BLOCK_M · BLOCK_F elements per program (forward)
+_GATE_TILE_BWD = 1024  # the backward keeps ~3x more live values per element
+
+
+# ----------------------------------------------------------------------------
+# Lookup kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, acc_ptr, out_ptr, ids_ptr,
+                       N, S, S_FULL, P, DC, D, T, BITS, H, head, MAX_NGRAM,
+                       LEGACY: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr,
+                       BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    t = P + rows % S                      # position in the prefix-extended sequence
+    base = (rows // S) * S_FULL           # first row of this batch element in `c`
+    bits = tl.arange(0, BLOCK_BITS)
+    bit_mask = bits < BITS
+    bit_w = tl.load(bw_ptr + bits, mask=bit_mask, other=0.0)
+    ng = tl.arange(0, BLOCK_NG)
+    ids_all = tl.full((BLOCK_M, BLOCK_NG), -1, tl.int64)
+
+    # phase 1: hash every order, keep the bucket ids in registers
+    for n in range(1, MAX_NGRAM + 1):
+        valid = row_mask & (t >= n - 1)
+        a = tl.zeros((BLOCK_M, BLOCK_BITS), dtype=tl.float32)
+        for k in range(0, n):
+            slot = (n * (n - 1)) // 2 + k
+            src = base + t - (n - 1) + k
+            proj_rows = ((slot * H + head) * BITS + bits).to(tl.int64)
+            term = tl.zeros((BLOCK_M, BLOCK_BITS), dtype=tl.float32)
+            for c0 in range(0, DC, BLOCK_C):
+                cols = c0 + tl.arange(0, BLOCK_C)
+                c_mask = cols < DC
+                x = tl.load(c_ptr + src[:, None] * DC + cols[None, :],
+                            mask=valid[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
+                w = tl.load(proj_ptr + proj_rows[None, :] * DC + cols[:, None],
+                            mask=c_mask[:, None] & bit_mask[None, :], other=0.0)
+                term += tl.dot(x, w, input_precision="ieee")
+            a += term
+        if LEGACY:
+            code = tl.sum(tl.where(bits[None, :] == 0, tl.abs(a), 0.0), axis=1)
+        else:
+            code = tl.sum(tl.where((a > 0) & bit_mask[None, :], bit_w[None, :], 0.0), axis=1)
+        idx = tl.where(valid, code.to(tl.int64) % T, -1)
+        tl.store(ids_ptr + rows * (MAX_NGRAM * H) + (n - 1) * H + head, idx, mask=row_mask)
+        ids_all = tl.where(ng[None, :] == n - 1, idx[:, None], ids_all)
+
+    # phase 2: gather and sum this head's rows, D in chunks
+    inv_count = 1.0 / (tl.minimum(t + 1, MAX_NGRAM) * H).to(tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        mask = row_mask[:, None] & (cols < D)[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        if FIRST:
+            acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        else:
+            acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
+        for n in range(0, MAX_NGRAM):
+            idx = tl.sum(tl.where(ng[None, :] == n, ids_all, 0), axis=1)
+            hit = mask & (idx >= 0)[:, None]
+            acc += tl.load(table_ptr + idx[:, None] * D + cols[None, :], mask=hit, other=0.0).to(tl.float32)
+        if LAST:
+            tl.store(out_ptr + offs, (acc * inv_count[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(acc_ptr + offs, acc, mask=mask)
+
+
+@triton.jit
+def _engram_bwd_atomic_kernel(g_ptr, ids_ptr, dt_ptr, N, S, P, D, T, H, MAX_NGRAM,
+                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    head = tl.program_id(2)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_mask = rows < N
+    mask = row_mask[:, None] & (cols < D)[None, :]
+    t = P + rows % S
+    count = (tl.minimum(t + 1, MAX_NGRAM) * H).to(tl.float32)
+    g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = g / count[:, None]
+    for n in range(0, MAX_NGRAM):
+        idx = tl.load(ids_ptr + rows * (MAX_NGRAM * H) + n * H + head, mask=row_mask, other=-1)
+        dst = (head * T + idx)[:, None] * D + cols[None, :]
+        tl.atomic_add(dt_ptr + dst, g, mask=mask & (idx >= 0)[:, None], sem="relaxed")
+
+
+@triton.jit
+def _engram_bwd_segment_kernel(g_ptr, keys_ptr, rows_ptr, ends_ptr, dt_ptr, S, P, D, HT, H, MAX_NGRAM,
+                               BLOCK_D: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    key = tl.load(keys_ptr + i)
+    prev = tl.load(keys_ptr + i - 1, mask=i > 0, other=-1)
+    if (key != prev) & (key < HT):        # first entry of a real bucket's segment
+        cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        col_mask = cols < D
+        end = tl.load(ends_ptr + i)
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for j in range(i, end):
+            row = tl.load(rows_ptr + j)
+            count = (tl.minimum(P + row % S + 1, MAX_NGRAM) * H).to(tl.float32)
+            acc += tl.load(g_ptr + row * D + cols, mask=col_mask, other=0.0).to(tl.float32) / count
+        tl.store(dt_ptr + key * D + cols, acc, mask=col_mask)
+
+
+def _max_ngram(num_slots: int) -> int:
+    return int(round((math.sqrt(8 * num_slots + 1) - 1) / 2))
+
+
+@triton_op("laminae::engram_lookup", mutates_args=())
+def engram_lookup_fused(
+    full: torch.Tensor, hash_projs: torch.Tensor, bit_weights: torch.Tensor, tables: list[torch.Tensor],
+    prefix_len: int, legacy_trunc: bool, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read for the last ``S - prefix_len`` positions of ``full`` [B, S, Dc].
+
+    ``hash_projs`` [slots, H, bits, Dc] fp32 (bits = 1 for legacy), ``bit_weights``
+    [bits] fp32, ``tables`` H contiguous [T, D]. Returns ``(out [B, S-P, D], ids
+    [B·(S-P), N, H] int64)``; ``deterministic`` only affects the backward.
+    """
+    batch, seq_full, dc = full.shape
+    seq = seq_full - prefix_len
+    heads = len(tables)
+    table_size, d = tables[0].shape
+    max_ngram = _max_ngram(hash_projs.shape[0])
+    bits = hash_projs.shape[2]
+    n_rows = batch * seq
+    out = empty((batch, seq, d), dtype=full.dtype, device=full.device)
+    ids = empty((n_rows, max_ngram, heads), dtype=torch.int64, device=full.device)
+    if n_rows == 0:
+        return out, ids
+    acc = empty((n_rows, d), dtype=torch.float32, device=full.device) if heads > 1 else None
+    grid = (triton.cdiv(n_rows, BLOCK_M),)
+    for head in range(heads):
+        wrap_triton(_engram_fwd_kernel)[grid](
+            full, hash_projs, bit_weights, tables[head], acc, out, ids,
+            n_rows, seq, seq_full, prefix_len, dc, d, table_size, bits, heads, head, max_ngram,
+            LEGACY=legacy_trunc, FIRST=head == 0, LAST=head == heads - 1,
+            BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C, BLOCK_BITS=BLOCK_BITS, BLOCK_NG=BLOCK_NG, BLOCK_D=BLOCK_D,
+            num_warps=NUM_WARPS,
+        )
+    return out, ids
+
+
+@triton_op("laminae::engram_lookup_bwd", mutates_args=())
+def _engram_lookup_bwd(g: torch.Tensor, ids: torch.Tensor, seq: int, prefix_len: int, table_size: int,
+                       out_dim: int, deterministic: bool) -> torch.Tensor:
+    n_rows, max_ngram, heads = ids.shape
+    dtab = torch.zeros((heads * table_size, out_dim), dtype=torch.float32, device=g.device)
+    if n_rows == 0:
+        return dtab.view(heads, table_size, out_dim)
+    if not deterministic:
+        grid = (triton.cdiv(n_rows, BWD_BLOCK_M), triton.cdiv(out_dim, BWD_BLOCK_D), heads)
+        wrap_triton(_engram_bwd_atomic_kernel)[grid](
+            g, ids, dtab, n_rows, seq, prefix_len, out_dim, table_size, heads, max_ngram,
+            BLOCK_M=BWD_BLOCK_M, BLOCK_D=BWD_BLOCK_D, num_warps=NUM_WARPS)
+    else:
+        sentinel = heads * table_size
+        head_offset = torch.arange(heads, device=g.device, dtype=torch.int64) * table_size
+        keys = torch.where(ids >= 0, ids + head_offset, torch.full_like(ids, sentinel)).reshape(-1)
+        sorted_keys, order = torch.sort(keys, stable=True)
+        rows = (order // (max_ngram * heads)).contiguous()
+        ends = torch.searchsorted(sorted_keys, sorted_keys, right=True)
+        grid = (sorted_keys.numel(), triton.cdiv(out_dim, SEG_BLOCK_D))
+        wrap_triton(_engram_bwd_segment_kernel)[grid](
+            g, sorted_keys, rows, ends, dtab, seq, prefix_len, out_dim, sentinel, heads, max_ngram,
+            BLOCK_D=SEG_BLOCK_D, num_warps=NUM_WARPS)
+    return dtab.view(heads, table_size, out_dim)
+
+
+def _lookup_setup_context(ctx, inputs, output):
+    full, hash_projs, bit_weights, tables, prefix_len, legacy_trunc, deterministic = inputs
+    out, ids = output
+    ctx.save_for_backward(ids)
+    ctx.mark_non_differentiable(ids)
+    ctx.seq, ctx.prefix_len, ctx.deterministic = out.shape[1], prefix_len, deterministic
+    ctx.table_size, ctx.out_dim = tables[0].shape
+    ctx.table_dtype = tables[0].dtype
+
+
+def _lookup_backward(ctx, g_out, g_ids):
+    (ids,) = ctx.saved_tensors
+    dtab = _engram_lookup_bwd(g_out.contiguous(), ids, ctx.seq, ctx.prefix_len, ctx.table_size, ctx.out_dim,
+                              ctx.deterministic)
+    dtables = [dtab[h].to(ctx.table_dtype) for h in range(dtab.shape[0])]
+    return None, None, None, dtables, None, None, None
+
+
+engram_lookup_fused.register_autograd(_lookup_backward, setup_context=_lookup_setup_context)
+
+
+def _prepare_lookup(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc):
+    max_ngram, table_list = check_lookup_args(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc)
+    if compressed.dtype not in _KERNEL_DTYPES:
+        raise DTypeError(f"Triton Engram lookup supports fp32/bf16/fp16 `compressed`, got {compressed.dtype}")
+    if table_list[0].dtype not in _KERNEL_DTYPES:
+        raise DTypeError(f"Triton Engram lookup supports fp32/bf16/fp16 tables, got {table_list[0].dtype}")
+    if table_list[0].dtype not in (torch.float32, compressed.dtype):
+        raise DTypeError(f"Triton Engram lookup needs tables in fp32 or in compressed's dtype ({compressed.dtype}), "
+                         f"got {table_list[0].dtype}")
+    if max_ngram > MAX_NGRAM:
+        raise ConfigError(f"the Triton Engram lookup supports max_ngram <= {MAX_NGRAM}, got {max_ngram}")
+    projs = hash_projs.float()
+    if legacy_trunc:
+        projs = projs.unsqueeze(2)
+    if projs.shape[2] > BLOCK_BITS:
+        raise ConfigError(f"the Triton Engram lookup supports at most {BLOCK_BITS} hash bits, got {projs.shape[2]}")
+    prefix_len = 0
+    full = compressed
+    if prefix is not None and prefix.shape[1] > 0:
+        prefix_len = prefix.shape[1]
+        full = torch.cat([prefix.to(compressed.dtype), compressed], dim=1)
+    full, projs = contiguous(full, projs)
+    bw = bit_weights.float().contiguous() if not legacy_trunc else torch.ones(1, device=full.device)
+    return full, projs, bw, [t.contiguous() for t in table_list], prefix_len
+
+
+def engram_lookup(
+    compressed: torch.Tensor,
+    hash_projs: torch.Tensor,
+    bit_weights: torch.Tensor,
+    tables: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    prefix: torch.Tensor | None = None,
+    legacy_trunc: bool = False,
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Triton Engram read with the signature of
+    :func:`laminae.primitives.engram.engram_lookup_reference` (plus ``deterministic``:
+    table gradients by sorted segment sums instead of atomics).
+
+    ``compressed`` ``[B, S, Dc]`` fp32/bf16/fp16, ``tables`` ``[H, T, D]`` or H ``[T, D]``;
+    returns ``[B, S, D]`` in compressed's dtype. Differentiable in the tables only.
+    """
+    full, projs, bw, table_list, prefix_len = _prepare_lookup(
+        compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc)
+    out, _ = engram_lookup_fused(full, projs, bw, table_list, prefix_len, bool(legacy_trunc), bool(deterministic))
+    return out
+
+
+def engram_bucket_ids_triton(
+    compressed: torch.Tensor,
+    hash_projs: torch.Tensor,
+    bit_weights: torch.Tensor,
+    tables: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    prefix: torch.Tensor | None = None,
+    legacy_trunc: bool = False,
+) -> torch.Tensor:
+    """The bucket ids the kernel addressed, ``[B, S, N, H]`` int64 (-1: order does not fit),
+    for the positions of ``compressed`` (the reference's ids sliced past the prefix)."""
+    full, projs, bw, table_list, prefix_len = _prepare_lookup(
+        compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc)
+    with torch.no_grad():
+        _, ids = engram_lookup_fused(full, projs, bw, table_list, prefix_len, bool(legacy_trunc), False)
+    batch, seq = compressed.shape[:2]
+    return ids.view(batch, seq, ids.shape[1], ids.shape[2])
+
+
+# ----------------------------------------------------------------------------
+# Fusion gate kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR: tl.constexpr):
+    rh = tl.math.rsqrt(tl.sum(hd * hd, axis=1) / F_DIM + eps)
+    rk = tl.math.rsqrt(tl.sum(kp * kp, axis=1) / F_DIM + eps)
+    hn = hd * rh[:, None] * wh[None, :]
+    kn = kp * rk[:, None] * wk[None, :]
+    a = tl.sum(hn * kn, axis=1) / sqrt_f
+    abs_a = tl.abs(a)
+    sign = tl.where(a > 0, 1.0, tl.where(a < 0, -1.0, 0.0))
+    gate = tl.sigmoid(tl.sqrt(tl.maximum(abs_a, GATE_FLOOR)) * sign)
+    return rh, rk, hn, kn, abs_a, gate
+
+
+@triton.jit
+def _fusion_gate_fwd_kernel(hd_ptr, kp_ptr, v_ptr, wh_ptr, wk_ptr, out_ptr, N, F_DIM, eps, sqrt_f,
+                            GATE_FLOOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_F)
+    col_mask = cols < F_DIM
+    mask = (rows < N)[:, None] & col_mask[None, :]
+    offs = rows[:, None] * F_DIM + cols[None, :]
+    hd = tl.load(hd_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    kp = tl.load(kp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wh = tl.load(wh_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    wk = tl.load(wk_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    _, _, _, _, _, gate = _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR)
+    tl.store(out_ptr + offs, (gate[:, None] * v).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fusion_gate_bwd_kernel(g_ptr, hd_ptr, kp_ptr, v_ptr, wh_ptr, wk_ptr, dhd_ptr, dkp_ptr, dv_ptr,
+                            dwh_part_ptr, dwk_part_ptr, N, F_DIM, eps, sqrt_f,
+                            GATE_FLOOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_F)
+    col_mask = cols < F_DIM
+    mask = (rows < N)[:, None] & col_mask[None, :]
+    offs = rows[:, None] * F_DIM + cols[None, :]
+    hd = tl.load(hd_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    kp = tl.load(kp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    wh = tl.load(wh_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    wk = tl.load(wk_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    rh, rk, hn, kn, abs_a, gate = _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR)
+    tl.store(dv_ptr + offs, (g * gate[:, None]).to(dv_ptr.dtype.element_ty), mask=mask)
+    d_gate = tl.sum(g * v, axis=1)
+    d_s = d_gate * gate * (1.0 - gate)
+    # d/da [sign(a)·√max(|a|, floor)] = 1/(2√|a|) above the floor, 0 below it
+    d_a = tl.where(abs_a >= GATE_FLOOR, d_s / (2.0 * tl.sqrt(tl.maximum(abs_a, GATE_FLOOR))), 0.0) / sqrt_f
+    d_hn = d_a[:, None] * kn
+    d_kn = d_a[:, None] * hn
+    # RMSNorm: y = x·r·w  →  dw = Σ dy·x·r,  dx = r·u − x·r³·mean(u·x),  u = dy·w
+    tl.store(dwh_part_ptr + pid.to(tl.int64) * F_DIM + cols, tl.sum(d_hn * hd * rh[:, None], axis=0), mask=col_mask)
+    tl.store(dwk_part_ptr + pid.to(tl.int64) * F_DIM + cols, tl.sum(d_kn * kp * rk[:, None], axis=0), mask=col_mask)
+    u_h = d_hn * wh[None, :]
+    u_k = d_kn * wk[None, :]
+    d_hd = rh[:, None] * u_h - hd * (rh * rh * rh * tl.sum(u_h * hd, axis=1) / F_DIM)[:, None]
+    d_kp = rk[:, None] * u_k - kp * (rk * rk * rk * tl.sum(u_k * kp, axis=1) / F_DIM)[:, None]
+    tl.store(dhd_ptr + offs, d_hd.to(dhd_ptr.dtype.element_ty), mask=mask)
+    tl.store(dkp_ptr + offs, d_kp.to(dkp_ptr.dtype.element_ty), mask=mask)
+
+
+def _gate_blocks(fusion_dim: int, backward: bool = False) -> tuple[int, int, int]:
+    block_f = max(16, triton.next_power_of_2(fusion_dim))
+    block_m = max(1, min(64, (_GATE_TILE_BWD if backward else _GATE_TILE) // block_f))
+    num_warps = 8 if block_f >= 4096 else 4
+    return block_m, block_f, num_warps
+
+
+@triton_op("laminae::engram_fusion_gate", mutates_args=())
+def engram_fusion_gate_fused(hidden_low: torch.Tensor, key_low: torch.Tensor, value: torch.Tensor,
+                             hidden_norm_weight: torch.Tensor, ngram_norm_weight: torch.Tensor,
+                             eps: float) -> torch.Tensor:
+    """``g · value`` over rows of [N, F] (see :func:`engram_fusion_gate`)."""
+    n, f = value.shape
+    out = empty_like(value)
+    if n == 0:
+        return out
+    block_m, block_f, warps = _gate_blocks(f)
+    wrap_triton(_fusion_gate_fwd_kernel)[(triton.cdiv(n, block_m),)](
+        hidden_low, key_low, value, hidden_norm_weight, ngram_norm_weight, out, n, f, eps, math.sqrt(f),
+        GATE_FLOOR=GATE_FLOOR, BLOCK_M=block_m, BLOCK_F=block_f, num_warps=warps)
+    return out
+
+
+@triton_op("laminae::engram_fusion_gate_bwd", mutates_args=())
+def _engram_fusion_gate_bwd(g: torch.Tensor, hidden_low: torch.Tensor, key_low: torch.Tensor, value: torch.Tensor,
+                            hidden_norm_weight: torch.Tensor, ngram_norm_weight: torch.Tensor, eps: float,
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, f = value.shape
+    block_m, block_f, warps = _gate_blocks(f, backward=True)
+    programs = triton.cdiv(n, block_m)
+    d_hidden, d_key, d_value = empty_like(hidden_low), empty_like(key_low), empty_like(value)
+    dwh_part = empty((programs, f), dtype=torch.float32, device=value.device)
+    dwk_part = empty((programs, f), dtype=torch.float32, device=value.device)
+    if n > 0:
+        wrap_triton(_fusion_gate_bwd_kernel)[(programs,)](
+            g, hidden_low, key_low, value, hidden_norm_weight, ngram_norm_weight, d_hidden, d_key, d_value,
+            dwh_part, dwk_part, n, f, eps, math.sqrt(f),
+            GATE_FLOOR=GATE_FLOOR, BLOCK_M=block_m, BLOCK_F=block_f, num_warps=warps)
+    return d_hidden, d_key, d_value, dwh_part, dwk_part
+
+
+def _gate_setup_context(ctx, inputs, output):
+    hidden_low, key_low, value, wh, wk, eps = inputs
+    ctx.save_for_backward(hidden_low, key_low, value, wh, wk)
+    ctx.eps = eps
+
+
+def _gate_backward(ctx, g):
+    hidden_low, key_low, value, wh, wk = ctx.saved_tensors
+    d_hidden, d_key, d_value, dwh_part, dwk_part = _engram_fusion_gate_bwd(
+        g.contiguous(), hidden_low, key_low, value, wh, wk, ctx.eps)
+    return d_hidden, d_key, d_value, dwh_part.sum(0).to(wh.dtype), dwk_part.sum(0).to(wk.dtype), None
+
+
+engram_fusion_gate_fused.register_autograd(_gate_backward, setup_context=_gate_setup_context)
+
+
+def engram_fusion_gate(
+    hidden_low: torch.Tensor,
+    key_low: torch.Tensor,
+    value: torch.Tensor,
+    hidden_norm_weight: torch.Tensor,
+    ngram_norm_weight: torch.Tensor,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Triton twin of :func:`laminae.primitives.engram.engram_fusion_gate_reference`.
+
+    ``hidden_low``, ``key_low``, ``value``: ``[..., F]`` (same shape and dtype, fp32/bf16/
+    fp16, F ≤ 4096); norm weights ``[F]``. Returns ``[..., F]`` in value's dtype.
+    """
+    for name, t in (("hidden_low", hidden_low), ("key_low", key_low), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"`{name}` must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _KERNEL_DTYPES:
+            raise DTypeError(f"Triton Engram fusion gate supports fp32/bf16/fp16 `{name}`, got {t.dtype}")
+        if t.shape != value.shape or t.dim() == 0:
+            raise ShapeError(f"`{name}` must have the shape of `value` {tuple(value.shape)}, got {tuple(t.shape)}")
+    if len({hidden_low.dtype, key_low.dtype, value.dtype}) > 1:
+        raise DTypeError(f"`hidden_low`/`key_low`/`value` must share one dtype, got "
+                         f"{hidden_low.dtype}, {key_low.dtype}, {value.dtype}")
+    f = value.shape[-1]
+    for name, w in (("hidden_norm_weight", hidden_norm_weight), ("ngram_norm_weight", ngram_norm_weight)):
+        if not isinstance(w, torch.Tensor) or w.shape != (f,):
+            raise ShapeError(f"`{name}` must have shape ({f},), got {tuple(getattr(w, 'shape', ()))}")
+        if w.dtype not in _KERNEL_DTYPES:
+            raise DTypeError(f"Triton Engram fusion gate supports fp32/bf16/fp16 `{name}`, got {w.dtype}")
+    if f > MAX_FUSION_DIM:
+        raise ConfigError(f"the Triton Engram fusion gate holds a row in registers: fusion_dim must be "
+                          f"<= {MAX_FUSION_DIM}, got {f}")
+    shape = value.shape
+    # the [F] weights go in as fp32 (autograd casts their gradients back)
+    hd, kp, v, wh, wk = contiguous(hidden_low.reshape(-1, f), key_low.reshape(-1, f), value.reshape(-1, f),
+                                   hidden_norm_weight.float(), ngram_norm_weight.float())
+    return engram_fusion_gate_fused(hd, kp, v, wh, wk, float(eps)).reshape(shape)
+
+
+def engram_fusion(
+    hidden: torch.Tensor,
+    ngram: torch.Tensor,
+    hidden_down_weight: torch.Tensor,
+    key_proj_weight: torch.Tensor,
+    value_proj_weight: torch.Tensor,
+    out_proj_weight: torch.Tensor,
+    hidden_norm_weight: torch.Tensor,
+    ngram_norm_weight: torch.Tensor,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Triton twin of :func:`laminae.primitives.engram.engram_fusion_reference`: the four
+    projections with ``F.linear`` (cuBLAS), the gate fused."""
+    gated = engram_fusion_gate(F.linear(hidden, hidden_down_weight), F.linear(ngram, key_proj_weight),
+                               F.linear(ngram, value_proj_weight), hidden_norm_weight, ngram_norm_weight, eps)
+    return hidden + F.linear(gated, out_proj_weight)
+
+
+# ----------------------------------------------------------------------------
+# Launchable configurations and the tour
+# ----------------------------------------------------------------------------
+
+
+def static_cases() -> Iterator[StaticCase]:
+    # (compressed/output dtype, table dtype): tables are usually fp32 master weights
+    lookup_dtypes = [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32")]
+    for c_dt, t_dt in lookup_dtypes:
+        for legacy in (False, True):
+            for first, last in ((True, True), (True, False), (False, False), (False, True)):
+                yield StaticCase(
+                    "engram_fwd", _engram_fwd_kernel,
+                    dict(c_ptr=f"*{c_dt}", proj_ptr="*fp32", bw_ptr="*fp32", table_ptr=f"*{t_dt}",
+                         acc_ptr="*fp32", out_ptr=f"*{c_dt}", ids_ptr="*i64", N="i32", S="i32", S_FULL="i32",
+                         P="i32", DC="i32", D="i32", T="i32", BITS="i32", H="i32", head="i32", MAX_NGRAM="i32"),
+                    dict(LEGACY=legacy, FIRST=first, LAST=last, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
+                         BLOCK_BITS=BLOCK_BITS, BLOCK_NG=BLOCK_NG, BLOCK_D=BLOCK_D),
+                    NUM_WARPS, tags={"dtype": c_dt, "table": t_dt})
+    for dt in ("fp32", "bf16", "fp16"):
+        yield StaticCase(
+            "engram_bwd_atomic", _engram_bwd_atomic_kernel,
+            dict(g_ptr=f"*{dt}", ids_ptr="*i64", dt_ptr="*fp32", N="i32", S="i32", P="i32", D="i32", T="i32",
+                 H="i32", MAX_NGRAM="i32"),
+            dict(BLOCK_M=BWD_BLOCK_M, BLOCK_D=BWD_BLOCK_D), NUM_WARPS, tags={"dtype": dt})
+        yield StaticCase(
+            "engram_bwd_segment", _engram_bwd_segment_kernel,
+            dict(g_ptr=f"*{dt}", keys_ptr="*i64", rows_ptr="*i64", ends_ptr="*i64", dt_ptr="*fp32", S="i32",
+                 P="i32", D="i32", HT="i32", H="i32", MAX_NGRAM="i32"),
+            dict(BLOCK_D=SEG_BLOCK_D), NUM_WARPS, tags={"dtype": dt})
+    block_f = 16
+    while block_f <= MAX_FUSION_DIM:
+        block_m, _, warps = _gate_blocks(block_f)
+        block_m_bwd, _, warps_bwd = _gate_blocks(block_f, backward=True)
+        const = dict(GATE_FLOOR=GATE_FLOOR, BLOCK_M=block_m, BLOCK_F=block_f)
+        const_bwd = dict(GATE_FLOOR=GATE_FLOOR, BLOCK_M=block_m_bwd, BLOCK_F=block_f)
+        for dt in ("fp32", "bf16", "fp16"):
+            p = f"*{dt}"
+            yield StaticCase("fusion_gate_fwd", _fusion_gate_fwd_kernel,
+                             dict(hd_ptr=p, kp_ptr=p, v_ptr=p, wh_ptr="*fp32", wk_ptr="*fp32", out_ptr=p,
+                                  N="i32", F_DIM="i32", eps="fp32", sqrt_f="fp32"), const, warps, tags={"dtype": dt})
+            yield StaticCase("fusion_gate_bwd", _fusion_gate_bwd_kernel,
+                             dict(g_ptr=p, hd_ptr=p, kp_ptr=p, v_ptr=p, wh_ptr="*fp32", wk_ptr="*fp32",
+                                  dhd_ptr=p, dkp_ptr=p, dv_ptr=p, dwh_part_ptr="*fp32", dwk_part_ptr="*fp32",
+                                  N="i32", F_DIM="i32", eps="fp32", sqrt_f="fp32"), const_bwd, warps_bwd,
+                             tags={"dtype": dt})
+        block_f *= 2
+
+
+def tour_case(device: torch.device):
+    from laminae.primitives.engram import (MultiHeadHashLookup, engram_fusion_gate_reference,
+                                           engram_lookup_reference)
+
+    from .tour import TourCase
+
+    gen = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    lookup = MultiHeadHashLookup(num_heads=2, table_size=61, compress_dim=24, out_dim=96, max_ngram=3)
+    compressed = torch.randn(2, 40, 24, generator=gen)
+    compressed = compressed / compressed.norm(dim=-1, keepdim=True)
+    lookup_inputs = {
+        "compressed": compressed.to(device),
+        "hash_projs": lookup.hash_projs().to(device),
+        "bit_weights": lookup.bit_weights.to(device),
+        "tables": torch.randn(2, 61, 96, generator=gen).to(device),
+    }
+    f = 48
+    gate_inputs = {
+        "hidden_low": torch.randn(2 * 40, f, generator=gen).to(device),
+        "key_low": torch.randn(2 * 40, f, generator=gen).to(device),
+        "value": torch.randn(2 * 40, f, generator=gen).to(device),
+        "hidden_norm_weight": (1 + 0.1 * torch.randn(f, generator=gen)).to(device),
+        "ngram_norm_weight": (1 + 0.1 * torch.randn(f, generator=gen)).to(device),
+    }
+    return [
+        TourCase("engram lookup (H=2, T=61, N=3)", engram_lookup, engram_lookup_reference, lookup_inputs, ["tables"]),
+        TourCase("engram fusion gate (F=48)", engram_fusion_gate, engram_fusion_gate_reference, gate_inputs,
+                 list(gate_inputs)),
+    ]
