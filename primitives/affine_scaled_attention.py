@@ -1,0 +1,368 @@
+"""Affine-scaled attention (Bae et al., arXiv:2602.23057): softmax attention whose
+weights are rescaled per head and per query by α ∈ [0, 1] and shifted so that each
+row sums to a running mean α_ma of α.
+
+For query t and a key j visible to it (``N_t`` = number of visible keys)::
+
+    α_t    = φ(x_t·W_αᵀ)                        [B, S, H], φ = linear clipping
+    A_tj   = α_t·P_tj + (α_ma − α_t)/N_t         P = softmax(q·kᵀ/√d + mask)
+    O_t    = Σ_j A_tj·v_j
+           = α_t·(P·V)_t + (α_ma − α_t)·v̄_t     v̄_t = mean of the visible values
+
+Each row of A sums to α_ma whatever α_t is; A_tj = 0 for invisible keys; a query
+that sees no key returns 0. ``α_ma`` ``[H]`` is an exponential moving average of the
+batch mean of α over valid query positions, updated once per training forward
+(before use) and frozen in eval.
+
+Layout (the toolkit's attention convention): ``q`` ``[B, S, H, D]``, ``k``/``v``
+``[B, N, H_kv, D]`` with ``N ≥ S``; query i sits at absolute position ``N − S + i``;
+key j is visible to query i iff ``j ≤ N − S + i`` and ``key_mask[b, j]``; query head
+h reads kv head ``h // (H // H_kv)``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ._backend import Backend, check_backend, resolve_backend
+from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
+from ._validation import (
+    FLOAT_DTYPES,
+    check_choice,
+    check_keep_mask,
+    check_positive_int,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+
+__all__ = [
+    "ACTIVATIONS",
+    "affine_alpha",
+    "affine_scaled_attention_reference",
+    "AffineScaledAttention",
+    "AffineScaledAttentionCache",
+]
+
+ACTIVATIONS = ("linear_clip", "sigmoid")
+
+
+def affine_alpha(x: torch.Tensor, weight: torch.Tensor, activation: str = "linear_clip") -> torch.Tensor:
+    """α = φ(x·Wᵀ) in fp32 (fp64 for fp64 inputs): ``x`` ``[..., hidden]``, ``weight``
+    ``[H, hidden]`` → ``[..., H]``.
+
+    ``activation``: "linear_clip" (the paper's choice) φ(u) = clamp(0.1·u + 0.5, 0, 1),
+    whose gradient is 0.1 on the closed interval [−5, 5] and 0 outside; or "sigmoid".
+    """
+    check_choice("activation", activation, ACTIVATIONS)
+    compute = torch.promote_types(x.dtype, torch.float32)
+    u = torch.nn.functional.linear(x.to(compute), weight.to(compute))
+    if activation == "sigmoid":
+        return torch.sigmoid(u)
+    return torch.clamp(0.1 * u + 0.5, 0.0, 1.0)
+
+
+def _visibility(S: int, N: int, key_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """[B or 1, S, N] bool: query i (absolute position N − S + i) sees key j."""
+    qpos = torch.arange(S, device=device)[:, None] + (N - S)
+    visible = (torch.arange(N, device=device)[None, :] <= qpos)[None]
+    if key_mask is not None:
+        visible = visible & key_mask.to(device).bool()[:, None, :]
+    return visible
+
+
+def affine_scaled_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    alpha: torch.Tensor,
+    alpha_ma: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    *,
+    upcast: bool = True,
+) -> torch.Tensor:
+    """Reference affine-scaled attention, materialising A = α·P + (α_ma − α)/N_t.
+
+    Args:
+        q: ``[B, S, H, D]`` queries; query i sits at absolute position ``N − S + i``.
+        k, v: ``[B, N, H_kv, D]`` keys and values (``N ≥ S``, ``H % H_kv == 0``).
+        alpha: ``[B, S, H]`` per-query, per-head scale α (already activated).
+        alpha_ma: ``[H]`` the running mean of α (a buffer; no gradient is expected).
+        key_mask: optional ``(B, N)`` keep mask over keys (bool or 0/1).
+        upcast: compute in fp32 and cast back (the ground truth); ``False`` keeps the
+            input dtype (the same-dtype eager baseline, and fp64 for gradcheck).
+    Returns:
+        ``[B, S, H, D]`` in the dtype of ``q``. A query that sees no key returns 0.
+    """
+    dtype = q.dtype
+    compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
+    B, S, H, D = q.shape
+    N, group = k.shape[1], H // k.shape[2]
+    qc = q.to(compute)
+    kc = k.to(compute).repeat_interleave(group, dim=2)
+    vc = v.to(compute).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
+    visible = _visibility(S, N, key_mask, q.device)[:, None]          # [B|1, 1, S, N]
+    any_visible = visible.any(-1, keepdim=True)
+    # rows with no visible key get finite scores so softmax stays NaN-free; they are zeroed below
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)
+    probs = torch.softmax(scores, dim=-1)
+    n_visible = visible.sum(-1, keepdim=True).clamp_min(1).to(compute)  # N_t, never 0
+    a = alpha.to(compute).permute(0, 2, 1)[..., None]                  # [B, H, S, 1]
+    beta = (alpha_ma.to(compute).view(1, H, 1, 1) - a) / n_visible
+    weights = torch.where(visible, a * probs + beta, torch.zeros((), dtype=compute, device=q.device))
+    out = torch.einsum("bhsn,bnhd->bshd", weights, vc)
+    return out.to(dtype)
+
+
+# ----------------------------------------------------------------------------
+# Decoding cache
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class AffineScaledAttentionCache:
+    """Keys, values and the key keep mask of the tokens seen so far, in preallocated
+    buffers of ``max_len`` positions with a fill index (shapes stay static). The
+    running value mean v̄ is recomputed from the cached values at each step.
+
+    ``key``/``value``: ``[B, max_len, H_kv, D]``; ``keep``: ``[B, max_len]`` bool;
+    ``length``: how many positions are filled; ``has_mask``: whether any appended
+    chunk came with a padding mask. Meant for inference (``torch.no_grad()``).
+
+    Example::
+
+        cache = attn.allocate_cache(batch, max_len, dtype=torch.bfloat16)
+        out, cache = attn(x_prompt, q, k, v, prompt_mask, cache=cache)
+        out, cache = attn(x_next, q1, k1, v1, cache=cache)      # one token at a time
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    keep: torch.Tensor
+    length: int = 0
+    has_mask: bool = False
+
+    @classmethod
+    def allocate(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> "AffineScaledAttentionCache":
+        for name, value in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            check_positive_int(name, value)
+        if dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"`dtype` of the cache must be a float dtype, got {dtype}")
+        shape = (batch, max_len, num_kv_heads, head_dim)
+        return cls(key=torch.zeros(shape, dtype=dtype, device=device),
+                   value=torch.zeros(shape, dtype=dtype, device=device),
+                   keep=torch.ones(batch, max_len, dtype=torch.bool, device=device))
+
+    @property
+    def max_len(self) -> int:
+        return self.key.shape[1]
+
+    def reset(self) -> None:
+        self.length, self.has_mask = 0, False
+        self.keep.fill_(True)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None):
+        """Write ``k``/``v`` ``[B, S_new, H_kv, D]`` (and their ``(B, S_new)`` keep mask)
+        after the filled positions; return views of everything filled so far:
+        ``(keys, values, keep_or_None)``."""
+        start, end = self.length, self.length + k.shape[1]
+        self.key[:, start:end].copy_(k)
+        self.value[:, start:end].copy_(v)
+        if keep is not None:
+            self.keep[:, start:end].copy_(keep.bool())
+            self.has_mask = True
+        else:
+            self.keep[:, start:end].fill_(True)
+        self.length = end
+        return self.key[:, :end], self.value[:, :end], (self.keep[:, :end] if self.has_mask else None)
+
+
+# ----------------------------------------------------------------------------
+# Module
+# ----------------------------------------------------------------------------
+
+
+def _inside_backward() -> bool:
+    """True while autograd is running a backward pass: where activation checkpointing
+    (reentrant or not) recomputes a forward. The EMA must not update there."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+class AffineScaledAttention(nn.Module):
+    """Affine-scaled attention core: α-rescaled softmax weights plus the β shift.
+
+    Owns ``alpha_proj`` (``nn.Linear(hidden_size, num_heads, bias=False)``, weight
+    Normal(0, ``initializer_range``)) and the persistent fp32 buffer ``alpha_ma``
+    ``[num_heads]`` (init ``alpha_ma_init``). Projections, norms and rotary embeddings
+    stay with the caller.
+
+    Args:
+        hidden_size: width of ``x``, the normalised hidden state feeding q/k/v.
+        num_heads, num_kv_heads, head_dim: H, H_kv (divides H), D.
+        affine_momentum: ρ ∈ [0, 1] of the EMA ``α_ma ← ρ·α_ma + (1−ρ)·mean(α)``.
+        alpha_ma_init: initial α_ma (paper: 0; 0.5 is a common alternative).
+        activation: φ, "linear_clip" (paper) or "sigmoid".
+        initializer_range: std of ``alpha_proj.weight`` (0 gives α ≡ 0.5 with linear_clip).
+        backend: "auto" | "triton" | "reference".
+
+    ``forward(x, q, k, v, attention_mask=None, cache=None) -> (out, cache)``:
+
+    - ``x`` ``[B, S, hidden_size]``, ``q`` ``[B, S, H, D]``.
+    - without a cache: ``k``/``v`` ``[B, N, H_kv, D]`` with ``N ≥ S``; ``attention_mask``
+      is the ``(B, N)`` key keep mask; returns ``(out, None)``.
+    - with an :class:`AffineScaledAttentionCache`: ``k``/``v`` are the S new tokens and
+      ``attention_mask`` their ``(B, S)`` keep mask; they are appended to the cache.
+
+    In training mode the EMA is updated once per call, from α averaged over the batch
+    and the valid query positions (the keep mask at the query positions), before the
+    attention uses it. It is not updated again when activation checkpointing
+    recomputes the forward during backward, nor in eval mode. With several
+    checkpointed training forwards before one backward, each recompute reads the
+    latest α_ma. Under ``torch.distributed`` the batch mean is averaged over ranks.
+
+    Example::
+
+        attn = AffineScaledAttention(512, num_heads=8, num_kv_heads=2, head_dim=64)
+        out, _ = attn(h, q, k, v, attention_mask=keep)
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        affine_momentum: float = 0.9,
+        alpha_ma_init: float = 0.0,
+        activation: str = "linear_clip",
+        initializer_range: float = 0.02,
+        backend: Backend = "auto",
+    ) -> None:
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("num_heads", num_heads),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            check_positive_int(name, value)
+        check_backend(backend)
+        check_choice("activation", activation, ACTIVATIONS)
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"`num_kv_heads` must divide num_heads={num_heads}, got {num_kv_heads}")
+        if (isinstance(affine_momentum, bool) or not isinstance(affine_momentum, (int, float))
+                or not math.isfinite(affine_momentum) or not 0.0 <= affine_momentum <= 1.0):
+            raise ConfigError(f"`affine_momentum` must be a finite number in [0, 1], got {affine_momentum!r}")
+        for name, value in (("alpha_ma_init", alpha_ma_init), ("initializer_range", initializer_range)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ConfigError(f"`{name}` must be a finite number, got {value!r}")
+        if initializer_range < 0:
+            raise ConfigError(f"`initializer_range` must be >= 0, got {initializer_range!r}")
+        self.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim = (
+            hidden_size, num_heads, num_kv_heads, head_dim)
+        self.affine_momentum = float(affine_momentum)
+        self.activation, self.backend = activation, backend
+        self.alpha_proj = nn.Linear(hidden_size, num_heads, bias=False)
+        nn.init.normal_(self.alpha_proj.weight, mean=0.0, std=float(initializer_range))
+        self.register_buffer("alpha_ma", torch.full((num_heads,), float(alpha_ma_init), dtype=torch.float32))
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, affine_momentum={self.affine_momentum}, "
+                f"activation={self.activation!r}, backend={self.backend!r}")
+
+    def allocate_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str | None = None) -> AffineScaledAttentionCache:
+        return AffineScaledAttentionCache.allocate(
+            batch, max_len, self.num_kv_heads, self.head_dim, dtype,
+            device if device is not None else self.alpha_ma.device)
+
+    def _check(self, x, q, k, v, attention_mask, cache) -> None:
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        check_tensor("q", q, shape=(None, None, H, D), layout="[batch, seq, num_heads, head_dim]")
+        B, S = q.shape[0], q.shape[1]
+        check_tensor("x", x, shape=(B, S, self.hidden_size), layout="[batch, seq, hidden_size]")
+        kv_layout = "[batch, keys, num_kv_heads, head_dim]"
+        check_tensor("k", k, shape=(B, None, Hkv, D), layout=kv_layout)
+        check_tensor("v", v, shape=(B, k.shape[1], Hkv, D), layout=kv_layout)
+        check_same_dtype(q=q, k=k, v=v)
+        check_same_device(x=x, q=q, k=k, v=v, attention_mask=attention_mask, weight=self.alpha_proj.weight)
+        if S == 0:
+            raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
+        if cache is None:
+            if k.shape[1] < S:
+                raise ShapeError(
+                    f"`k`/`v` must cover at least the {S} query positions (N >= S), got N={k.shape[1]}")
+            check_keep_mask("attention_mask", attention_mask, B, k.shape[1])
+            return
+        if not isinstance(cache, AffineScaledAttentionCache):
+            raise TypeError(f"`cache` must be an AffineScaledAttentionCache or None, got {type(cache).__name__}")
+        if k.shape[1] != S:
+            raise ShapeError(
+                f"with a cache, `k`/`v` hold the {S} new tokens of `q`, got {k.shape[1]} key positions")
+        check_keep_mask("attention_mask", attention_mask, B, S)
+        want = (B, cache.max_len, Hkv, D)
+        if tuple(cache.key.shape) != want:
+            raise ShapeError(f"`cache` buffers must be [batch, max_len, num_kv_heads, head_dim] = {want}, "
+                             f"got {tuple(cache.key.shape)}")
+        if cache.key.dtype != k.dtype:
+            raise DTypeError(f"`cache` dtype must match k ({k.dtype}), got {cache.key.dtype}")
+        if cache.key.device != k.device:
+            raise DeviceError(f"`cache` must be on the device of k ({k.device}), got {cache.key.device}")
+        if cache.length + S > cache.max_len:
+            raise ConfigError(f"`cache` overflow: it holds {cache.length} of max_len={cache.max_len} "
+                              f"positions, cannot append {S} more")
+
+    @torch.no_grad()
+    def _update_ema(self, alpha: torch.Tensor, query_keep: torch.Tensor | None) -> None:
+        """α_ma ← ρ·α_ma + (1−ρ)·m, m = mean of α over batch and valid query positions."""
+        a = alpha.detach().float()
+        if query_keep is None:
+            total = a.sum(dim=(0, 1))
+            count = torch.full((), a.shape[0] * a.shape[1], dtype=torch.float32, device=a.device)
+        else:
+            w = query_keep.to(device=a.device, dtype=torch.float32)
+            total = (a * w[..., None]).sum(dim=(0, 1))
+            count = w.sum()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            stats = torch.cat([total, count.reshape(1)])
+            torch.distributed.all_reduce(stats)
+            total, count = stats[:-1], stats[-1]
+        rho = self.affine_momentum
+        updated = rho * self.alpha_ma + (1.0 - rho) * total / count.clamp_min(1.0)
+        # a batch with no valid query leaves the EMA unchanged
+        self.alpha_ma.copy_(torch.where(count > 0, updated, self.alpha_ma))
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: AffineScaledAttentionCache | None = None,
+    ) -> tuple[torch.Tensor, AffineScaledAttentionCache | None]:
+        self._check(x, q, k, v, attention_mask, cache)
+        S = q.shape[1]
+        alpha = affine_alpha(x, self.alpha_proj.weight, self.activation)
+        if self.training and (torch.compiler.is_compiling() or not _inside_backward()):
+            if attention_mask is None:
+                query_keep = None
+            else:
+                query_keep = attention_mask if cache is not None else attention_mask[:, attention_mask.shape[1] - S:]
+            self._update_ema(alpha, query_keep)
+        key_mask = attention_mask
+        if cache is not None:
+            k, v, key_mask = cache.append(k, v, attention_mask)
+        # a snapshot: a later training forward updates the buffer in place, and this
+        # call's backward must see the value its forward used
+        alpha_ma = self.alpha_ma.clone()
+        if resolve_backend(self.backend, q, k, v) == "triton":
+            from laminae.triton_ops.affine_scaled_attention import affine_scaled_attention
+
+            return affine_scaled_attention(q, k, v, alpha, alpha_ma, key_mask), cache
+        return affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, key_mask), cache

@@ -1,0 +1,238 @@
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laminae.primitives import DTypeError, ShapeError
+from laminae.primitives.affine_scaled_attention import AffineScaledAttention, affine_scaled_attention_reference
+from laminae.triton_ops import _flash
+from laminae.triton_ops._parity import parity
+from laminae.triton_ops.affine_scaled_attention import (
+    affine_scaled_attention,
+    affine_scaled_attention_fwd,
+    tour_case,
+)
+
+from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
+
+SMALL = _flash.FlashTiles(16, 16, 4, 16, 16, 4, 16, 16, 4)
+
+
+@contextmanager
+def small_tiles(enabled: bool = True):
+    """16×16 tiles, so short sequences still span several query and key blocks."""
+    original = _flash.tiles
+    if enabled:
+        _flash.tiles = lambda head_dim, dtype: SMALL
+    try:
+        yield
+    finally:
+        _flash.tiles = original
+
+
+def _inputs(B, S, extra, H, Hkv, D, masked, scale, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    N = S + extra
+    inp = {
+        "q": (torch.randn(B, S, H, D, generator=gen) * scale).to(DEVICE, dtype),
+        "k": (torch.randn(B, N, Hkv, D, generator=gen) * scale).to(DEVICE, dtype),
+        "v": (torch.randn(B, N, Hkv, D, generator=gen) * scale).to(DEVICE, dtype),
+        "alpha": torch.rand(B, S, H, generator=gen).to(DEVICE),
+        "alpha_ma": torch.rand(H, generator=gen).to(DEVICE),
+    }
+    if masked:
+        keep = keep_mask(B, N, gen).cpu()
+        keep[0, : min(N, extra + 2)] = False  # left padding: the first queries of row 0 see nothing
+        inp["key_mask"] = keep.to(DEVICE)
+    return inp
+
+
+heads = st.sampled_from([(1, 1), (2, 1), (4, 2)])
+head_dims = st.sampled_from([8, 16, 32, 64])
+GRADS = ["q", "k", "v", "alpha", "alpha_ma"]
+
+
+@given(B=st.integers(1, 2), S=st.integers(1, 40), extra=st.integers(0, 16), hh=heads, D=head_dims,
+       masked=st.booleans(), scale=scales, seed=seeds, small=st.booleans())
+def test_kernel_matches_reference_fp32(B, S, extra, hh, D, masked, scale, seed, small):
+    inp = _inputs(B, S, extra, *hh, D, masked, scale, seed)
+    with small_tiles(small):
+        assert_parity(affine_scaled_attention, affine_scaled_attention_reference, inp, GRADS)
+
+
+@settings(max_examples=min(5, settings.default.max_examples))
+@given(B=st.integers(1, 2), S=st.integers(1, 40), extra=st.integers(0, 16), hh=heads, D=head_dims,
+       masked=st.booleans(), scale=scales, seed=seeds)
+def test_flash_core_matches_softmax_reference(B, S, extra, hh, D, masked, scale, seed):
+    inp = _inputs(B, S, extra, *hh, D, masked, scale, seed)
+    del inp["alpha"], inp["alpha_ma"]
+    with small_tiles():
+        assert_parity(_flash.flash_attention, _flash.flash_attention_reference, inp, ["q", "k", "v"])
+
+
+def test_flash_core_matches_torch_sdpa():
+    q, k, v = (torch.randn(2, 19, 4, 24, device=DEVICE) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True).transpose(1, 2)
+    with small_tiles():
+        torch.testing.assert_close(_flash.flash_attention(q, k, v), expected, atol=2e-5, rtol=2e-4)
+
+
+def test_default_tiles_span_several_blocks():
+    inp = _inputs(1, 70, 9, 4, 2, 16, True, 1.0, 7)
+    assert_parity(affine_scaled_attention, affine_scaled_attention_reference, inp, GRADS)
+
+
+def test_fully_masked_rows_give_zero_output_and_finite_gradients():
+    inp = _inputs(1, 6, 0, 2, 1, 16, False, 1.0, 3)
+    inp["key_mask"] = torch.tensor([[0, 0, 0, 1, 1, 0]], device=DEVICE)
+    leaves = {k: (v.clone().requires_grad_(True) if k in GRADS else v) for k, v in inp.items()}
+    with small_tiles():
+        out = affine_scaled_attention(**leaves)
+    assert torch.all(out[0, :3] == 0)
+    out.sum().backward()
+    for name in GRADS:
+        assert torch.isfinite(leaves[name].grad).all(), name
+    assert torch.all(leaves["q"].grad[0, :3] == 0) and torch.all(leaves["alpha"].grad[0, :3] == 0)
+
+
+def test_tour_case_is_within_tolerance():
+    case = tour_case(DEVICE)
+    result = parity(case.op, case.reference, case.inputs, case.grad_names)
+    assert result.ok, result.report()
+
+
+def test_module_backends_agree_in_training_including_parameter_grads():
+    torch.manual_seed(0)
+    B, S, H, Hkv, D, hidden = 2, 11, 4, 2, 16, 24
+    x = torch.randn(B, S, hidden, device=DEVICE, requires_grad=True)
+    q = torch.randn(B, S, H, D, device=DEVICE, requires_grad=True)
+    k = torch.randn(B, S, Hkv, D, device=DEVICE, requires_grad=True)
+    v = torch.randn(B, S, Hkv, D, device=DEVICE, requires_grad=True)
+    keep = torch.ones(B, S, dtype=torch.bool, device=DEVICE)
+    keep[1, :3] = False
+    g = torch.randn(B, S, H, D, device=DEVICE)
+    results = []
+    for backend in ("reference", "triton"):
+        m = AffineScaledAttention(hidden, H, Hkv, D, initializer_range=0.5, backend=backend).to(DEVICE)
+        m.alpha_proj.weight.data = torch.linspace(-1, 1, H * hidden, device=DEVICE).view(H, hidden)
+        out, _ = m(x, q, k, v, attention_mask=keep)
+        grads = torch.autograd.grad(out, [x, q, k, v, m.alpha_proj.weight], g)
+        results.append((out, grads, m.alpha_ma.clone()))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(results[1][2], results[0][2])
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_module_decode_with_triton_matches_full_forward():
+    torch.manual_seed(0)
+    B, T, H, Hkv, D, hidden = 2, 12, 4, 2, 16, 24
+    m = AffineScaledAttention(hidden, H, Hkv, D, alpha_ma_init=0.4, initializer_range=0.5,
+                              backend="triton").to(DEVICE).eval()
+    x = torch.randn(B, T, hidden, device=DEVICE)
+    q = torch.randn(B, T, H, D, device=DEVICE)
+    k = torch.randn(B, T, Hkv, D, device=DEVICE)
+    v = torch.randn(B, T, Hkv, D, device=DEVICE)
+    keep = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
+    keep[0, :3] = False  # left padding
+    with torch.no_grad(), small_tiles():
+        full, _ = m(x, q, k, v, attention_mask=keep)
+        reference = affine_scaled_attention_reference(q, k, v, torch.clamp(0.1 * (x @ m.alpha_proj.weight.t()) + 0.5,
+                                                                            0, 1), m.alpha_ma, keep)
+        cache = m.allocate_cache(B, 20)
+        P = 5
+        outs = [m(x[:, :P], q[:, :P], k[:, :P], v[:, :P], attention_mask=keep[:, :P], cache=cache)[0]]
+        for t in range(P, T):
+            step, cache = m(x[:, t:t + 1], q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
+                            attention_mask=keep[:, t:t + 1], cache=cache)
+            outs.append(step)
+    decoded = torch.cat(outs, 1)
+    torch.testing.assert_close(full, reference, atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(decoded, full, atol=2e-6, rtol=1e-5)
+
+
+def test_triton_rejects_float64_and_large_head_dim():
+    q = torch.randn(1, 3, 2, 8, dtype=torch.float64, device=DEVICE)
+    k = torch.randn(1, 3, 1, 8, dtype=torch.float64, device=DEVICE)
+    alpha, ama = torch.rand(1, 3, 2, device=DEVICE), torch.rand(2, device=DEVICE)
+    with pytest.raises(DTypeError):
+        affine_scaled_attention(q, k, k, alpha, ama)
+    big = torch.randn(1, 3, 2, 264, device=DEVICE)
+    with pytest.raises(ShapeError, match="head_dim"):
+        affine_scaled_attention(big, big[:, :, :1], big[:, :, :1], alpha, ama)
+    with pytest.raises(ShapeError, match="alpha"):
+        affine_scaled_attention(q.float(), k.float(), k.float(), alpha[:, :2], ama)
+    with pytest.raises(ShapeError, match="N >= S"):
+        affine_scaled_attention(q.float(), k[:, :2].float(), k[:, :2].float(), alpha, ama)
+
+
+def test_opcheck_schema_and_autograd_registration():
+    q = torch.randn(2, 5, 4, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(2, 7, 2, 16, device=DEVICE, requires_grad=True)
+    v = torch.randn(2, 7, 2, 16, device=DEVICE, requires_grad=True)
+    alpha = torch.rand(2, 5, 4, device=DEVICE, requires_grad=True)
+    ama = torch.rand(4, device=DEVICE)
+    mask = torch.ones(2, 7, dtype=torch.int8, device=DEVICE)
+    utils = ("test_schema", "test_autograd_registration")
+    torch.library.opcheck(affine_scaled_attention_fwd, (q, k, v, alpha, ama, mask), test_utils=utils)
+    torch.library.opcheck(affine_scaled_attention_fwd, (q, k, v, alpha, ama, None), test_utils=utils)
+    torch.library.opcheck(_flash._flash_attention_fwd, (q, k, v, mask), test_utils=utils)
+
+
+# ----------------------------------------------------------------------------
+# GPU only
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [64, 128])
+def test_kernel_matches_reference_low_precision(dtype, D):
+    inp = _inputs(2, 300, 37, 8, 2, D, True, 1.0, 0, dtype=dtype)
+    assert_parity(affine_scaled_attention, affine_scaled_attention_reference, inp, GRADS[:-1], dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [16, 64, 128, 256])
+def test_kernel_matches_reference_fp32_gpu_default_tiles(D):
+    inp = _inputs(2, 200, 23, 4, 2, D, True, 1.0, 1)
+    assert_parity(affine_scaled_attention, affine_scaled_attention_reference, inp, GRADS)
+
+
+@pytest.mark.gpu
+def test_opcheck_full_gpu():
+    q = torch.randn(2, 65, 4, 64, device="cuda", requires_grad=True)
+    k = torch.randn(2, 80, 2, 64, device="cuda", requires_grad=True)
+    v = torch.randn(2, 80, 2, 64, device="cuda", requires_grad=True)
+    alpha = torch.rand(2, 65, 4, device="cuda", requires_grad=True)
+    mask = (torch.rand(2, 80, device="cuda") > 0.2).to(torch.int8)
+    torch.library.opcheck(affine_scaled_attention_fwd, (q, k, v, alpha, torch.rand(4, device="cuda"), mask))
+    torch.library.opcheck(_flash._flash_attention_fwd, (q, k, v, mask))
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_smoke():
+    q = torch.randn(2, 128, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(2, 128, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    alpha = torch.rand(2, 128, 8, device="cuda", requires_grad=True)
+    ama = torch.rand(8, device="cuda")
+    compiled = torch.compile(affine_scaled_attention, fullgraph=True)
+    out = compiled(q, k, v, alpha, ama)
+    out.float().sum().backward()
+    torch.testing.assert_close(out, affine_scaled_attention(q, k, v, alpha, ama))
+    m = AffineScaledAttention(256, 8, 2, 64).cuda()
+    x = torch.randn(2, 128, 256, device="cuda")
+    out, _ = torch.compile(m, fullgraph=True)(x, q.float(), k.float(), v.float())
+    out.sum().backward()
+    torch.testing.assert_close(m.alpha_ma, 0.1 * affine_alpha_mean(m, x), atol=1e-6, rtol=1e-5)
+
+
+def affine_alpha_mean(m, x):
+    from laminae.primitives.affine_scaled_attention import affine_alpha
+
+    return affine_alpha(x, m.alpha_proj.weight).mean(dim=(0, 1))
