@@ -1,0 +1,311 @@
+"""Elo tournament attention (SpikeWhaleLM v2, ``use_elo``).
+
+Softmax attention already gives each key a win probability against the field of
+visible keys. Elo attention turns those probabilities into a *rating* per key that
+accumulates over the queries in causal order and biases the logits of later
+queries. Per head, with ``s_ij = q_i·k_j/√D`` under the causal and padding masks:
+
+    K       = softplus(elo_log_k)                 per-head K-factor (> 0)
+    g       = tanh(elo_gain)                      per-head rating → logit gain (0 at init)
+    a⁰_ij   = softmax_j(s_ij)                     the "match": rating-independent
+    n_i     = number of keys visible to query i
+    dR_ij   = K·(a⁰_ij − 1/n_i)                   on visible (i, j), 0 elsewhere
+    intra_ij = Σ_{t<i} dR_tj                      exclusive prefix sum over queries
+    a_ij    = softmax_j(s_ij + g·(prior_j + intra_ij))
+    out_i   = Σ_j a_ij·v_j
+    rating_out_j = prior_j + Σ_i dR_ij            carried to the next call
+
+``prior`` is the rating accumulated by earlier calls (the decoding cache) for the
+keys already cached and 0 for keys new in this call, so a prefill followed by
+one-token steps equals the full forward. ``elo_gain = 0`` gives plain softmax
+attention exactly (the rating is still computed).
+
+A query with no visible key (a padded position whose earlier keys are all padding)
+returns 0 and contributes no rating. The seed, which fills masked logits with the
+dtype's minimum instead of −∞, returns a near-uniform average of all values there;
+its rating contribution is 0 as here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._backend import Backend, check_backend, resolve_backend
+from ._errors import ConfigError, ShapeError
+from ._validation import (
+    check_keep_mask,
+    check_positive_float,
+    check_positive_int,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+)
+
+__all__ = [
+    "ELO_K_INIT",
+    "EloAttention",
+    "EloAttentionCache",
+    "check_elo_attention_inputs",
+    "elo_attention_reference",
+    "elo_log_k_init",
+]
+
+# The seed reads ``cfg.elo_k_init`` from a config file that is not part of it, so
+# its numeric default is unknown; 1.0 (K-factor one, ``elo_log_k = log(e − 1)``)
+# is this toolkit's default. Pass ``elo_k_init`` to match a checkpoint's config.
+ELO_K_INIT = 1.0
+
+_Q_LAYOUT = "[batch, seq, num_heads, head_dim]"
+_KV_LAYOUT = "[batch, keys, num_kv_heads, head_dim]"
+
+
+def elo_log_k_init(k_init: float) -> float:
+    """The ``elo_log_k`` value whose softplus is ``k_init``: log(expm1(k_init))."""
+    return math.log(math.expm1(k_init))
+
+
+def check_elo_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    elo_log_k: torch.Tensor,
+    elo_gain: torch.Tensor,
+    prior_rating: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> None:
+    """Shapes, dtypes and devices of an Elo attention call (raises ShapeError,
+    DTypeError, DeviceError or ValueError naming the argument)."""
+    check_tensor("q", q, ndim=4, layout=_Q_LAYOUT)
+    B, S, H, D = q.shape
+    check_tensor("k", k, ndim=4, layout=_KV_LAYOUT)
+    check_tensor("v", v, ndim=4, layout=_KV_LAYOUT)
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ShapeError(f"`k` must be [batch={B}, keys, num_kv_heads, head_dim={D}] {_KV_LAYOUT}, "
+                         f"got {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ShapeError(f"`v` must have the shape of `k` {tuple(k.shape)}, got {tuple(v.shape)}")
+    N, kv_heads = k.shape[1], k.shape[2]
+    if S == 0:
+        raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
+    if D == 0:
+        raise ShapeError(f"`q` must have head_dim >= 1, got shape {tuple(q.shape)}")
+    if kv_heads == 0 or H % kv_heads:
+        raise ShapeError(f"num_kv_heads (dim 2 of `k`) must divide num_heads={H} (dim 2 of `q`), got {kv_heads}")
+    if N < S:
+        raise ShapeError(f"`k`/`v` must cover the {S} query positions and any earlier ones (N >= S), got N={N}")
+    check_tensor("elo_log_k", elo_log_k, shape=(H,), layout="[num_heads]")
+    check_tensor("elo_gain", elo_gain, shape=(H,), layout="[num_heads]")
+    if prior_rating is not None:
+        check_tensor("prior_rating", prior_rating, ndim=3, layout="[batch, num_heads, cached_keys]")
+        if prior_rating.shape[0] != B or prior_rating.shape[1] != H or prior_rating.shape[2] > N:
+            raise ShapeError(f"`prior_rating` must be [batch={B}, num_heads={H}, P] with P <= keys={N} "
+                             f"(ratings of the first P keys), got {tuple(prior_rating.shape)}")
+    check_same_dtype(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v, elo_log_k=elo_log_k, elo_gain=elo_gain, prior_rating=prior_rating,
+                      key_mask=key_mask)
+    if key_mask is not None:
+        if torch.compiler.is_compiling():  # value checks would sync and break the graph
+            check_tensor("key_mask", key_mask, dtypes=None, shape=(B, N), layout="(batch, keys) keep mask")
+        else:
+            check_keep_mask("key_mask", key_mask, B, N)
+
+
+def rating_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Ratings are state carried across calls: float32, float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def full_prior(prior_rating: torch.Tensor | None, batch: int, heads: int, keys: int,
+               dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[B, H, N]`` prior: the given ratings of the first P keys, zeros after."""
+    if prior_rating is None:
+        return torch.zeros(batch, heads, keys, dtype=dtype, device=device)
+    prior = prior_rating.to(dtype)
+    if prior.shape[2] < keys:
+        prior = F.pad(prior, (0, keys - prior.shape[2]))
+    return prior
+
+
+def visible_keys(S: int, N: int, key_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """``[B or 1, 1, S, N]`` bool: query i (at position N − S + i) sees key j."""
+    rows = torch.arange(S, device=device)[:, None] + (N - S)
+    visible = (torch.arange(N, device=device)[None, :] <= rows)[None, None]
+    if key_mask is not None:
+        visible = visible & key_mask.to(device).bool()[:, None, None, :]
+    return visible
+
+
+def _masked_softmax(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax over visible keys; rows with none visible are all zeros (no NaN)."""
+    any_visible = visible.any(-1, keepdim=True)
+    logits = logits.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)
+    return torch.softmax(logits, dim=-1).masked_fill(~visible, 0.0)
+
+
+def elo_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    elo_log_k: torch.Tensor,
+    elo_gain: torch.Tensor,
+    prior_rating: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
+    *,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference Elo tournament attention (materialises the [S, N] matrices).
+
+    Args:
+        q: ``[B, S, H, D]``; query i sits at absolute position ``N − S + i``.
+        k, v: ``[B, N, H_kv, D]``, ``N ≥ S``, ``H % H_kv == 0`` (query head h reads
+            kv head ``h // (H // H_kv)``).
+        elo_log_k, elo_gain: ``[H]`` raw parameters (K = softplus, gain = tanh).
+        prior_rating: optional ``[B, H, P]``, ``P ≤ N``: ratings of the first P keys
+            carried from earlier calls; later keys start at 0.
+        key_mask: optional ``(B, N)`` 0/1 or bool keep mask.
+        upcast: compute in fp32 (fp64 stays fp64) and cast back; ``False`` computes
+            in the input dtype (the same-dtype eager baseline).
+    Returns:
+        ``(out, rating_out)``: out ``[B, S, H, D]`` in q's dtype; rating_out
+        ``[B, H, N]`` float32 (float64 for float64 inputs).
+    """
+    check_elo_attention_inputs(q, k, v, elo_log_k, elo_gain, prior_rating, key_mask)
+    dtype = q.dtype
+    compute = rating_dtype(dtype) if upcast else dtype
+    B, S, H, D = q.shape
+    N, group = k.shape[1], H // k.shape[2]
+    qc = q.to(compute)
+    kc = k.to(compute).repeat_interleave(group, dim=2)
+    vc = v.to(compute).repeat_interleave(group, dim=2)
+    scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
+    visible = visible_keys(S, N, key_mask, q.device)
+    K = F.softplus(elo_log_k.to(compute)).view(1, H, 1, 1)
+    gain = torch.tanh(elo_gain.to(compute)).view(1, H, 1, 1)
+    prior = full_prior(prior_rating, B, H, N, compute, q.device)
+
+    a_base = _masked_softmax(scores, visible)                         # the matches
+    n_visible = visible.sum(-1, keepdim=True).clamp(min=1).to(compute)
+    d_rating = K * (a_base - 1.0 / n_visible) * visible               # [B, H, S, N]
+    intra = torch.cumsum(d_rating, dim=2) - d_rating                  # Σ_{t<i} dR_tj
+    a = _masked_softmax(scores + gain * (prior[:, :, None, :] + intra), visible)
+    out = torch.einsum("bhsn,bnhd->bshd", a, vc)
+    rating_out = prior + d_rating.sum(dim=2)
+    return out.to(dtype), rating_out.to(rating_dtype(dtype))
+
+
+# ----------------------------------------------------------------------------
+# Decoding cache and module
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class EloAttentionCache:
+    """State carried between calls: every key and value so far ``[B, N, H_kv, D]``,
+    their keep mask ``(B, N)`` bool (None = all kept) and the Elo rating of every key
+    ``[B, H, N]`` (float32; the prior of the next call)."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    key_mask: torch.Tensor | None
+    rating: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.key.shape[1]
+
+
+class EloAttention(nn.Module):
+    """Elo tournament attention core: ``out, cache = module(q, k, v, attention_mask, cache)``.
+
+    Args:
+        num_heads: H, query heads (one K-factor, gain and rating per query head).
+        num_kv_heads: H_kv, key/value heads; must divide ``num_heads`` (GQA).
+        head_dim: D.
+        elo_k_init: initial K-factor; ``elo_log_k`` starts at log(expm1(elo_k_init)).
+        backend: "auto" | "triton" | "reference".
+
+    Parameters (seed names): ``elo_log_k`` [H] and ``elo_gain`` [H] (zeros, so the
+    module starts as plain causal softmax attention).
+
+    Forward:
+        q ``[B, S, H, D]``; k, v ``[B, S, H_kv, D]`` for this call's S tokens;
+        attention_mask: optional ``(B, S)`` 0/1 keep mask of this call's tokens;
+        cache: the :class:`EloAttentionCache` returned by the previous call, or None.
+    Returns ``(out [B, S, H, D], cache)``; the new cache holds all keys so far and
+    their ratings.
+
+    Example::
+
+        attn = EloAttention(num_heads=8, num_kv_heads=2, head_dim=64)
+        out, cache = attn(q, k, v, attention_mask=keep)          # prefill
+        out1, cache = attn(q1, k1, v1, cache=cache)               # one decoding step
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, elo_k_init: float = ELO_K_INIT,
+                 backend: Backend = "auto") -> None:
+        super().__init__()
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("num_kv_heads", num_kv_heads)
+        check_positive_int("head_dim", head_dim)
+        check_positive_float("elo_k_init", elo_k_init)
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"`num_kv_heads` ({num_kv_heads}) must divide `num_heads` ({num_heads})")
+        if not math.isfinite(elo_log_k_init(elo_k_init)):
+            raise ConfigError(f"`elo_k_init` must give a finite log(expm1(k)), got {elo_k_init!r}")
+        check_backend(backend)
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.elo_k_init = float(elo_k_init)
+        self.backend = backend
+        self.elo_log_k = nn.Parameter(torch.full((num_heads,), elo_log_k_init(elo_k_init)))
+        self.elo_gain = nn.Parameter(torch.zeros(num_heads))
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"elo_k_init={self.elo_k_init}, backend={self.backend!r}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache: EloAttentionCache | None = None,
+                ) -> tuple[torch.Tensor, EloAttentionCache]:
+        check_tensor("q", q, ndim=4, layout=_Q_LAYOUT)
+        check_tensor("k", k, ndim=4, layout=_KV_LAYOUT)
+        B, S = q.shape[0], q.shape[1]
+        expected_q = (B, S, self.num_heads, self.head_dim)
+        expected_kv = (B, S, self.num_kv_heads, self.head_dim)
+        check_tensor("q", q, shape=expected_q, layout=_Q_LAYOUT)
+        check_tensor("k", k, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
+        check_tensor("v", v, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
+        if attention_mask is not None:
+            check_tensor("attention_mask", attention_mask, dtypes=None, shape=(B, S),
+                         layout="(batch, seq) keep mask of this call's tokens")
+        prior = None
+        keys, values, mask = k, v, attention_mask
+        if cache is not None:
+            if not isinstance(cache, EloAttentionCache):
+                raise TypeError(f"`cache` must be an EloAttentionCache or None, got {type(cache).__name__}")
+            if cache.key.shape[0] != B or cache.key.shape[2:] != k.shape[2:]:
+                raise ShapeError(f"`cache` holds keys {tuple(cache.key.shape)}, which do not continue "
+                                 f"this call's k {tuple(k.shape)}")
+            check_same_device(q=q, cache=cache.key)
+            keys = torch.cat([cache.key, k.to(cache.key.dtype)], dim=1)
+            values = torch.cat([cache.value, v.to(cache.value.dtype)], dim=1)
+            prior = cache.rating
+            if cache.key_mask is not None or attention_mask is not None:
+                past = cache.key_mask if cache.key_mask is not None else \
+                    torch.ones(B, cache.length, dtype=torch.bool, device=q.device)
+                new = attention_mask.bool() if attention_mask is not None else \
+                    torch.ones(B, S, dtype=torch.bool, device=q.device)
+                mask = torch.cat([past, new.to(past.device)], dim=1)
+        elif attention_mask is not None:
+            mask = attention_mask.bool()
+        check_elo_attention_inputs(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
+        if resolve_backend(self.backend, q, keys, values) == "triton":
+            from laminae.triton_ops.elo_attention import launch_elo_attention
+
+            out, rating = launch_elo_attention(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
+        else:
+            out, rating = elo_attention_reference(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
+        return out, EloAttentionCache(keys, values, mask, rating)
