@@ -4,7 +4,7 @@ import torch
 from laminae.primitives.elo_attention import elo_attention_reference
 from laminae.triton_ops.elo_attention import elo_attention
 
-from ._attention import SHAPES, causal_flops, qkv, sdpa, shape_id
+from ._attention import SHAPES, causal_flops, qkv, shape_id
 from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
 
 
@@ -22,10 +22,3 @@ def test_elo_attention(benchmark, provider, mode, shape):
                   reference=elo_attention_reference, inputs=inputs, grad_names=grads,
                   shape=shape_id(shape), flops=3 * causal_flops(shape))
 
-
-@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-@pytest.mark.parametrize("mode", MODES)
-def test_sdpa_baseline(benchmark, mode, shape):
-    inputs = qkv(shape, mask=False)
-    run_benchmark(benchmark, name="sdpa (baseline)", provider="eager", mode=mode, op=sdpa, reference=sdpa,
-                  inputs=inputs, grad_names=["q", "k", "v"], shape=shape_id(shape), flops=causal_flops(shape))
