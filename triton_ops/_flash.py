@@ -22,8 +22,8 @@ Backward  ``delta = rowsum(dO·O)`` (torch, or the caller's own fused row kernel
 
 The head dim is padded to ``max(16, next_power_of_2(D))`` with masked loads
 (``tl.dot`` needs every dimension ≥ 16); offsets of the batch/head bases are int64.
-Tiles depend on the padded head dim (:func:`tiles`), sized for Hopper and checked
-for spills by the static sm_90 check.
+Tiles depend on the padded head dim and the dtype (:func:`tiles`), sized for Hopper
+and checked for spills by the static sm_90 check.
 
 Public pieces: :func:`flash_forward` / :func:`flash_backward` (plain launchers a
 caller's ``triton_op`` can use), the differentiable op :func:`flash_attention`
@@ -56,7 +56,6 @@ __all__ = [
 ]
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 256
 
 
