@@ -1,0 +1,134 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from laminae.primitives import BackendUnavailableError, ConfigError, DTypeError
+from laminae.primitives.memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
+from laminae.triton_ops.memory_caching import memory_caching, memory_caching_core, segment_gates
+
+from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
+
+GRADS = ["q", "k", "v", "u", "p"]
+
+
+def _inputs(B, S, H, D, G, L, masked, scale, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    inp = {name: (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
+           for name, shape in (("q", (B, S, H, D)), ("k", (B, S, H, D)), ("v", (B, S, H, D)),
+                               ("u", (B, S, G)), ("p", (B, S, G)))}
+    inp["segment_len"] = L
+    inp["mask"] = keep_mask(B, S, gen).float() if masked else None
+    return inp
+
+
+@given(B=st.integers(1, 2), S=st.integers(1, 40), L=st.sampled_from([4, 8, 16]), H=st.integers(1, 2),
+       D=st.sampled_from([8, 16, 32]), G=st.sampled_from([3, 8, 20]), masked=st.booleans(),
+       scale=scales, seed=seeds)
+def test_kernel_matches_reference_fp32(B, S, L, H, D, G, masked, scale, seed):
+    inp = _inputs(B, S, H, D, G, L, masked, scale, seed)
+    assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
+
+
+@pytest.mark.parametrize("S, L", [(1, 4), (3, 16), (33, 8), (64, 64)])
+def test_kernel_edge_lengths(S, L):
+    """One token, a prefix shorter than a segment, S not a multiple of L, the largest L."""
+    inp = _inputs(1, S, 1, 8, 5, L, True, 1.0, S)
+    assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
+
+
+def test_kernel_denominator_near_eps():
+    """φ(q)·φ(k) ~ eps: the eps-dependent softmax term δ = eps·(g·y)/D matters."""
+    inp = _inputs(1, 24, 1, 8, 4, 8, False, 0.5, 3)
+    inp["q"] = inp["q"] - 9.0
+    inp["k"] = inp["k"] - 9.0
+    assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
+
+
+def test_kernel_fully_padded_segment_and_bool_mask():
+    inp = _inputs(2, 20, 1, 8, 4, 4, False, 1.0, 7)
+    mask = torch.ones(2, 20, dtype=torch.bool, device=DEVICE)
+    mask[0, 4:8] = False   # a whole segment of padding: pool 0, empty memory
+    mask[1, :3] = False
+    inp["mask"] = mask
+    assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
+
+
+def test_module_backends_agree_including_parameter_grads_and_decode():
+    torch.manual_seed(0)
+    m = MemoryCacheBranch(24, num_heads=2, head_dim=8, segment_len=4, gate_dim=6).to(DEVICE)
+    x = torch.randn(2, 11, 24, device=DEVICE, requires_grad=True)
+    mask = torch.ones(2, 11, device=DEVICE)
+    mask[1, :2] = 0
+    g = torch.randn(2, 11, 24, device=DEVICE)
+    res = []
+    for backend in ("reference", "triton"):
+        m.backend = backend
+        y, _ = m(x, mask)
+        res.append((y, torch.autograd.grad(y, [x, *m.parameters()], g)))
+    torch.testing.assert_close(res[0][0], res[1][0])
+    for a, b in zip(res[0][1], res[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # prefill through the kernel, then one-token steps
+    with torch.no_grad():
+        state = MemoryCacheState()
+        outs = [m(x[:, :6], mask[:, :6], state=state)[0]]
+        for t in range(6, 11):
+            outs.append(m(x[:, t:t + 1], mask[:, t:t + 1], state=state)[0])
+    assert (torch.cat(outs, 1) - res[0][0]).abs().max() < 1e-5
+
+
+def test_triton_rejects_float64_and_oversized_tiles():
+    inp = _inputs(1, 5, 1, 8, 4, 4, False, 1.0, 0, dtype=torch.float64)
+    with pytest.raises(DTypeError):
+        memory_caching(**inp)
+    inp = _inputs(1, 5, 1, 8, 4, 128, False, 1.0, 0)
+    with pytest.raises(ConfigError):
+        memory_caching(**inp)
+
+
+def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
+    if DEVICE.type == "cuda":
+        pytest.skip("CPU-only behaviour")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    m = MemoryCacheBranch(8, num_heads=1, head_dim=4, segment_len=2, gate_dim=2, backend="triton")
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
+        m(torch.randn(2, 3, 8))
+
+
+def _op_args(device, B=1, S=10, H=1, D=8, G=4, L=4):
+    inp = _inputs(B, S, H, D, G, L, False, 1.0, 0)
+    keep = torch.ones(B, S, device=DEVICE)
+    keep[0, 0] = 0
+    gamma = segment_gates(inp["u"], inp["p"], keep, L)
+    args = [t.to(device).requires_grad_() for t in (inp["q"], inp["k"], inp["v"], gamma)]
+    return (*args, keep.to(device), L, 1e-6)
+
+
+def test_opcheck_schema_and_autograd_registration():
+    # The fake-tensor and AOT checks would execute the interpreter on meta tensors;
+    # they run in the GPU-marked test below.
+    torch.library.opcheck(memory_caching_core, _op_args(DEVICE),
+                          test_utils=("test_schema", "test_autograd_registration"))
+
+
+@pytest.mark.gpu
+def test_opcheck_full_gpu():
+    torch.library.opcheck(memory_caching_core, _op_args("cuda", B=2, S=100, H=2, D=32, G=16, L=16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_matches_reference_low_precision(dtype):
+    inp = _inputs(2, 200, 2, 32, 24, 16, True, 1.0, 0, dtype=dtype)
+    assert_parity(memory_caching, memory_caching_reference, inp, GRADS, dtype=dtype)
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_smoke():
+    m = MemoryCacheBranch(64, num_heads=2, head_dim=32, segment_len=16, gate_dim=32, backend="triton").cuda()
+    x = torch.randn(2, 50, 64, device="cuda", requires_grad=True)
+    compiled = torch.compile(lambda t: m(t)[0], fullgraph=True)
+    y = compiled(x)
+    y.sum().backward()
+    torch.testing.assert_close(y, m(x)[0])
