@@ -23,7 +23,7 @@ pool. Everything runs in fp32 (the denominator underflows in bf16).
 """
 from __future__ import annotations
 
-import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -35,6 +35,8 @@ from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ._validation import (FLOAT_DTYPES, check_keep_mask, check_positive_float, check_positive_int,
                           check_same_device, check_same_dtype, check_tensor)
+
+_warned_tiles: set[tuple[int, int]] = set()
 
 __all__ = [
     "memory_caching_reference", "check_memory_caching_inputs", "elu_feature_map",
@@ -359,9 +361,16 @@ class MemoryCacheBranch(nn.Module):
 
     def _readout(self, q, k, v, u, p, mask) -> torch.Tensor:
         if resolve_backend(self.backend, q) == "triton":
-            from laminae.triton_ops.memory_caching import memory_caching
+            from laminae.triton_ops.memory_caching import memory_caching, supports_tile
 
-            return memory_caching(q, k, v, u, p, self.segment_len, mask, self.eps)
+            if self.backend == "triton" or supports_tile(self.segment_len, self.head_dim):
+                return memory_caching(q, k, v, u, p, self.segment_len, mask, self.eps)
+            key = (self.segment_len, self.head_dim)
+            if key not in _warned_tiles:
+                _warned_tiles.add(key)
+                warnings.warn(f"laminae: MemoryCacheBranch(segment_len={self.segment_len}, "
+                              f"head_dim={self.head_dim}) has no Triton tile; backend='auto' runs the reference",
+                              stacklevel=3)
         return memory_caching_reference(q, k, v, u, p, self.segment_len, mask, self.eps)
 
     def forward(

@@ -40,7 +40,7 @@ from laminae.primitives.memory_caching import check_memory_caching_inputs
 
 from ._common import StaticCase, dot_precision, empty
 
-__all__ = ["memory_caching", "memory_caching_core", "segment_gates"]
+__all__ = ["memory_caching", "memory_caching_core", "segment_gates", "supports_tile"]
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 # Supported tiles (BLOCK_L, BLOCK_D) -> num_warps: L and D are padded to powers of two
@@ -219,6 +219,11 @@ def _tiles(segment_len: int, head_dim: int) -> tuple[int, int]:
     return max(16, triton.next_power_of_2(segment_len)), max(16, triton.next_power_of_2(head_dim))
 
 
+def supports_tile(segment_len: int, head_dim: int) -> bool:
+    """Whether the kernels have a tile for this (segment_len, head_dim)."""
+    return _tiles(segment_len, head_dim) in WARPS
+
+
 def _blocks(segment_len: int, head_dim: int) -> tuple[int, int, int]:
     block_l, block_d = _tiles(segment_len, head_dim)
     return block_l, block_d, WARPS[(block_l, block_d)]
@@ -346,7 +351,7 @@ def memory_caching(
     if q.dtype not in _SUPPORTED:
         raise DTypeError(f"Triton memory caching supports fp32/bf16/fp16 inputs, got {q.dtype}")
     B, S, H, D = q.shape
-    if _tiles(segment_len, D) not in WARPS:
+    if not supports_tile(segment_len, D):
         supported = ", ".join(f"L<={bl}&D<={bd}" for bl, bd in WARPS)
         raise ConfigError(f"Triton memory caching supports (segment_len, head_dim) with one on-chip tile per "
                           f"segment: {supported}; got segment_len={segment_len}, head_dim={D}. "

@@ -132,3 +132,20 @@ def test_compile_fullgraph_smoke():
     y = compiled(x)
     y.sum().backward()
     torch.testing.assert_close(y, m(x)[0])
+
+
+def test_auto_backend_without_a_tile_warns_and_runs_the_reference(monkeypatch):
+    import laminae.primitives.memory_caching as mc_module
+
+    m = MemoryCacheBranch(16, num_heads=1, head_dim=64, segment_len=64, gate_dim=4, backend="auto").to(DEVICE)
+    x = torch.randn(1, 5, 16, device=DEVICE)
+    want = MemoryCacheBranch(16, num_heads=1, head_dim=64, segment_len=64, gate_dim=4, backend="reference")
+    want.load_state_dict(m.state_dict())
+    monkeypatch.setattr(mc_module, "resolve_backend", lambda backend, *t: "triton")  # as on CUDA
+    monkeypatch.setattr(mc_module, "_warned_tiles", set())
+    with pytest.warns(UserWarning, match="no Triton tile"):
+        y, _ = m(x)
+    torch.testing.assert_close(y, want.to(DEVICE)(x)[0])
+    m.backend = "triton"
+    with pytest.raises(ConfigError):
+        m(x)
