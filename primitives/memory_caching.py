@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
-from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
+from ._errors import DeviceError, ShapeError
 from ._validation import (FLOAT_DTYPES, check_keep_mask, check_positive_float, check_positive_int,
                           check_same_device, check_same_dtype, check_tensor)
 
