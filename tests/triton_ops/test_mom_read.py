@@ -1,0 +1,249 @@
+from contextlib import contextmanager
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from laminae.primitives import DTypeError, ShapeError
+from laminae.primitives.mom_read import MoMRead, MoMReadState, collect_mom_aux_loss, mom_read_reference
+from laminae.triton_ops import mom_read as mom_mod
+from laminae.triton_ops._parity import parity
+from laminae.triton_ops.mom_read import MoMTiles, mom_read, mom_read_fwd, tour_case
+
+from .._helpers import DEVICE, assert_parity, scales, seeds
+
+GRADS = ["q", "k_bank", "v_bank", "top_gates"]
+# 2-slot chunks in the token kernels (blocks of 3..8 slots span several chunks);
+# the bank kernel's tiles feed tl.dot and stay at 16.
+SMALL = MoMTiles(token_n=2, token_warps=1, bank_m=16, bank_n=16, bank_warps=1)
+
+
+@contextmanager
+def small_tiles(enabled: bool = True):
+    original = mom_mod.tiles
+    if enabled:
+        mom_mod.tiles = lambda head_dim, dtype: SMALL
+    try:
+        yield
+    finally:
+        mom_mod.tiles = original
+
+
+def _inputs(B, S, H, hd, E, bs, tk, scale, seed, dtype=torch.float32, never=()):
+    """Routing from random logits (distinct blocks per token; blocks in ``never``
+    are selected by no token), gates = softmax of the selected logits."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, S, E, generator=gen) * 2
+    for e in never:
+        logits[..., e] = -1e4
+    values, idx = logits.topk(tk, dim=-1)
+    return {
+        "q": (torch.randn(B, S, H, hd, generator=gen) * scale).to(DEVICE, dtype),
+        "k_bank": (torch.randn(E * bs, H * hd, generator=gen) * scale).to(DEVICE, dtype),
+        "v_bank": (torch.randn(E * bs, H * hd, generator=gen) * scale).to(DEVICE, dtype),
+        "top_idx": idx.to(DEVICE),
+        "top_gates": torch.softmax(values, -1).to(DEVICE),
+        "block_size": bs,
+    }
+
+
+@st.composite
+def routing(draw):
+    E = draw(st.integers(2, 6))
+    return E, draw(st.integers(1, min(3, E)))
+
+
+@given(B=st.integers(1, 2), S=st.integers(1, 24), H=st.integers(1, 2), et=routing(),
+       bs=st.sampled_from([1, 3, 4, 8]), hd=st.sampled_from([8, 16, 32]), scale=scales, seed=seeds,
+       small=st.booleans())
+def test_kernel_matches_reference_fp32(B, S, H, et, bs, hd, scale, seed, small):
+    E, tk = et
+    inp = _inputs(B, S, H, hd, E, bs, tk, scale, seed)
+    with small_tiles(small):
+        assert_parity(mom_read, mom_read_reference, inp, GRADS)
+
+
+def test_default_tiles_span_several_chunks_and_pair_tiles():
+    # bs = 40 > 32 slots per chunk; 20 pairs per block > 16 pairs per bank tile
+    inp = _inputs(1, 20, 1, 24, 2, 40, 2, 1.0, 5)
+    assert_parity(mom_read, mom_read_reference, inp, GRADS)
+
+
+def test_gate_below_the_floor_is_clamped_and_gets_zero_gradient():
+    inp = _inputs(1, 5, 2, 16, 4, 3, 2, 1.0, 6)
+    inp["top_gates"] = inp["top_gates"].clone()
+    inp["top_gates"][0, 1] = torch.tensor([1.0, 1e-12])
+    result = assert_parity(mom_read, mom_read_reference, inp, GRADS)
+    gates = inp["top_gates"].clone().requires_grad_(True)
+    out = mom_read(inp["q"], inp["k_bank"], inp["v_bank"], inp["top_idx"], gates, 3)
+    out.sum().backward()
+    assert gates.grad[0, 1, 1] == 0 and torch.isfinite(gates.grad).all()
+    assert result.ok
+
+
+@pytest.mark.parametrize("small", [False, True])
+def test_unselected_slots_are_never_read(small):
+    """NaN in every bank row of a block no token selects: output and gradients are
+    unchanged, and those rows get exactly zero gradient."""
+    E, bs = 5, 4
+    inp = _inputs(2, 9, 2, 16, E, bs, 2, 1.0, 7, never=(1, 4))
+    assert not bool(((inp["top_idx"] == 1) | (inp["top_idx"] == 4)).any())
+    poisoned = dict(inp)
+    for name in ("k_bank", "v_bank"):
+        t = inp[name].clone()
+        t[1 * bs:2 * bs] = float("nan")
+        t[4 * bs:5 * bs] = float("nan")
+        poisoned[name] = t
+    results = []
+    for case in (inp, poisoned):
+        leaves = {k: (v.clone().requires_grad_(True) if k in GRADS else v) for k, v in case.items()}
+        with small_tiles(small):
+            out = mom_read(**leaves)
+            grads = torch.autograd.grad(out, [leaves[k] for k in GRADS], torch.ones_like(out))
+        results.append((out, grads))
+    assert torch.isfinite(results[1][0]).all()
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.equal(a, b)
+    for grad in results[1][1][1:3]:
+        assert torch.all(grad[1 * bs:2 * bs] == 0) and torch.all(grad[4 * bs:] == 0)
+
+
+def test_log_gate_gradient_sums_to_zero_per_token():
+    inp = _inputs(2, 7, 2, 16, 5, 3, 3, 1.0, 8)
+    lg = torch.log(inp["top_gates"]).requires_grad_(True)
+    o, _ = mom_read_fwd(inp["q"], inp["k_bank"], inp["v_bank"], inp["top_idx"], lg, 3)
+    (o * torch.randn_like(o)).sum().backward()
+    torch.testing.assert_close(lg.grad.sum(-1), torch.zeros(2, 7, device=DEVICE), atol=1e-5, rtol=0)
+
+
+def test_two_runs_are_bitwise_identical():
+    inp = _inputs(1, 6, 2, 16, 4, 4, 2, 1.0, 9)
+    runs = []
+    for _ in range(2):
+        leaves = {k: (v.clone().requires_grad_(True) if k in GRADS else v) for k, v in inp.items()}
+        out = mom_read(**leaves)
+        runs.append((out, torch.autograd.grad(out, [leaves[k] for k in GRADS], torch.ones_like(out))))
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+
+
+def test_tour_case_is_within_tolerance():
+    case = tour_case(DEVICE)
+    result = parity(case.op, case.reference, case.inputs, case.grad_names)
+    assert result.ok, result.report()
+
+
+def test_module_backends_agree_in_training_including_parameter_and_aux_grads():
+    results = []
+    x0 = torch.randn(2, 9, 32, device=DEVICE)
+    for backend in ("reference", "triton"):
+        torch.manual_seed(0)
+        m = MoMRead(32, 2, 24, 4, 2, 6, initializer_range=0.3, backend=backend).to(DEVICE).train()
+        with torch.no_grad():
+            m.mom_scale.fill_(0.7)
+        bank = torch.nn.Parameter(MoMRead.init_bank(6, 4, 32, std=0.5).to(DEVICE))
+        x = x0.clone().requires_grad_(True)
+        torch.manual_seed(1)  # the same Gumbel draw for both backends
+        y, _ = m(x, bank)
+        loss = (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum()
+        loss = loss + 0.01 * collect_mom_aux_loss([m])
+        grads = torch.autograd.grad(loss, [x, bank, *m.parameters()])
+        results.append((y, grads))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=2e-5, rtol=2e-4)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+
+
+def test_module_decode_with_triton_matches_full_forward():
+    torch.manual_seed(3)
+    m = MoMRead(32, 2, 24, 4, 2, 6, initializer_range=0.3, backend="triton").to(DEVICE).eval()
+    with torch.no_grad():
+        m.mom_scale.fill_(1.0)
+    bank = torch.randn(6, 4 * 32, device=DEVICE)
+    x = torch.randn(2, 12, 32, device=DEVICE)
+    with torch.no_grad():
+        full, _ = m(x, bank)
+        out, state = m(x[:, :4], bank, state=MoMReadState())
+        outs = [out]
+        for t in range(4, 12):
+            out, state = m(x[:, t:t + 1], bank, state=state)
+            outs.append(out)
+        m.backend = "reference"
+        reference, _ = m(x, bank)
+    torch.testing.assert_close(full, reference, atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=1e-5)
+
+
+def test_triton_rejects_bad_inputs():
+    inp = _inputs(1, 3, 2, 8, 4, 2, 2, 1.0, 0)
+    with pytest.raises(DTypeError):
+        mom_read(**(inp | {k: inp[k].double() for k in ("q", "k_bank", "v_bank")}))
+    with pytest.raises(DTypeError, match="k_bank"):
+        mom_read(**(inp | {"k_bank": inp["k_bank"].half()}))
+    with pytest.raises(DTypeError, match="top_idx"):
+        mom_read(**(inp | {"top_idx": inp["top_idx"].float()}))
+    with pytest.raises(ShapeError, match="head_dim"):
+        mom_read(**(inp | {"q": torch.randn(1, 3, 1, 144, device=DEVICE),
+                           "k_bank": torch.randn(8, 144, device=DEVICE),
+                           "v_bank": torch.randn(8, 144, device=DEVICE)}))
+    with pytest.raises(ShapeError, match="multiple of block_size"):
+        mom_read(**(inp | {"block_size": 3}))
+    with pytest.raises(ShapeError, match="top_gates"):
+        mom_read(**(inp | {"top_gates": inp["top_gates"][..., :1]}))
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        mom_read(**(inp | {"top_idx": inp["top_idx"] + 3}))
+    with pytest.raises(ValueError, match="distinct"):
+        mom_read(**(inp | {"top_idx": inp["top_idx"][..., :1].repeat(1, 1, 2)}))
+
+
+def test_opcheck_schema_and_autograd_registration():
+    inp = _inputs(2, 5, 2, 16, 4, 3, 2, 1.0, 1)
+    args = (inp["q"].requires_grad_(True), inp["k_bank"].requires_grad_(True), inp["v_bank"].requires_grad_(True),
+            inp["top_idx"], torch.log(inp["top_gates"]).requires_grad_(True), 3)
+    # the fake-tensor and AOT checks would run the interpreter on meta tensors: GPU test below
+    torch.library.opcheck(mom_read_fwd, args, test_utils=("test_schema", "test_autograd_registration"))
+
+
+# ----------------------------------------------------------------------------
+# GPU only
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hd", [64, 128])
+def test_kernel_matches_reference_low_precision(dtype, hd):
+    inp = _inputs(2, 300, 4, hd, 8, 64, 2, 1.0, 0, dtype=dtype)
+    assert_parity(mom_read, mom_read_reference, inp, GRADS, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hd", [16, 64, 128])
+def test_kernel_matches_reference_fp32_gpu_default_tiles(hd):
+    inp = _inputs(2, 200, 4, hd, 8, 48, 3, 1.0, 1)
+    assert_parity(mom_read, mom_read_reference, inp, GRADS)
+
+
+@pytest.mark.gpu
+def test_opcheck_full_gpu():
+    inp = _inputs(2, 65, 4, 64, 8, 32, 2, 1.0, 2)
+    args = (inp["q"].requires_grad_(True), inp["k_bank"].requires_grad_(True), inp["v_bank"].requires_grad_(True),
+            inp["top_idx"], torch.log(inp["top_gates"]).requires_grad_(True), 32)
+    torch.library.opcheck(mom_read_fwd, args)
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_smoke():
+    inp = _inputs(2, 128, 8, 64, 8, 64, 2, 1.0, 3, dtype=torch.bfloat16)
+    leaves = {k: (v.clone().requires_grad_(True) if k in GRADS else v) for k, v in inp.items()}
+    compiled = torch.compile(mom_read, fullgraph=True)
+    out = compiled(**leaves)
+    out.float().sum().backward()
+    torch.testing.assert_close(out, mom_read(**inp))
+    m = MoMRead(512, 8, 512, 64, 2, 32, backend="triton").cuda().eval()
+    bank = MoMRead.init_bank(8, 64, 512).cuda()
+    x = torch.randn(2, 128, 512, device="cuda")
+    y, _ = torch.compile(m, fullgraph=True)(x, bank)
+    torch.testing.assert_close(y, m(x, bank)[0])
