@@ -80,32 +80,35 @@ def lucid_key_norm(k: torch.Tensor, eps: float = LUCID_ATTENTION_EPS,
 
 
 def _lucid_rows(k_hat_rows: torch.Tensor, k_hat_cols: torch.Tensor, keep_rows: torch.Tensor,
-                keep_cols: torch.Tensor, offset: int) -> torch.Tensor:
+                keep_cols: torch.Tensor, offset: int, unit_diagonal: bool = False) -> torch.Tensor:
     """Rows ``offset ..`` of L against columns ``0 ..``: ``[B, H_kv, R, C]``.
 
     Entry (i, j), absolute positions (offset + i, j), is exp(s·k̂_i·k̂_j − √d) when
-    j ≤ offset + i and both keys are kept; a padding key has a unit diagonal."""
+    j ≤ offset + i and both keys are kept; a padding key has a unit diagonal (every key
+    does with ``unit_diagonal``)."""
     d = k_hat_rows.shape[-1]
     scores = torch.einsum("brhd,bchd->bhrc", k_hat_rows, k_hat_cols) / math.sqrt(d) - math.sqrt(d)
     rows = torch.arange(k_hat_rows.shape[1], device=scores.device)[:, None] + offset
     cols = torch.arange(k_hat_cols.shape[1], device=scores.device)[None, :]
     allowed = (cols <= rows)[None, None] & keep_rows[:, None, :, None] & keep_cols[:, None, None, :]
     L = torch.exp(scores.masked_fill(~allowed, float("-inf")))
-    padded_diag = (cols == rows)[None, None] & ~keep_rows[:, None, :, None]
-    return torch.where(padded_diag, torch.ones_like(L), L)
+    diag = (cols == rows)[None, None]
+    unit = diag if unit_diagonal else diag & ~keep_rows[:, None, :, None]
+    return torch.where(unit, torch.ones_like(L), L)
 
 
 def lucid_matrix(k: torch.Tensor, key_mask: torch.Tensor | None = None,
-                 eps: float = LUCID_ATTENTION_EPS) -> torch.Tensor:
+                 eps: float = LUCID_ATTENTION_EPS, *, unit_diagonal: bool = False) -> torch.Tensor:
     """The dense preconditioner L ``[B, H_kv, N, N]`` (fp32/fp64) for keys ``[B, N, H_kv, D]``."""
     batch, length = k.shape[:2]
     keep = _keep(key_mask, batch, length, k.device)
     k_hat = lucid_key_norm(k, eps, key_mask)
-    return _lucid_rows(k_hat, k_hat, keep, keep, 0)
+    return _lucid_rows(k_hat, k_hat, keep, keep, 0, unit_diagonal)
 
 
 def lucid_extend(k_hat_cache: torch.Tensor, v_prime_cache: torch.Tensor, keep_cache: torch.Tensor,
-                 k_hat_new: torch.Tensor, v_new: torch.Tensor, keep_new: torch.Tensor) -> torch.Tensor:
+                 k_hat_new: torch.Tensor, v_new: torch.Tensor, keep_new: torch.Tensor,
+                 unit_diagonal: bool = False) -> torch.Tensor:
     """V′ of T new keys given C cached ones: solve the new rows of L V′ = V.
 
     ``k_hat_*`` and ``v_prime_cache`` ``[B, C or T, H_kv, D]`` in the compute dtype,
@@ -119,7 +122,7 @@ def lucid_extend(k_hat_cache: torch.Tensor, v_prime_cache: torch.Tensor, keep_ca
     offset = k_hat_cache.shape[1]
     k_hat_all = torch.cat([k_hat_cache, k_hat_new], dim=1)
     keep_all = torch.cat([keep_cache, keep_new], dim=1)
-    rows = _lucid_rows(k_hat_new, k_hat_all, keep_new, keep_all, offset)  # [B, Hkv, T, C + T]
+    rows = _lucid_rows(k_hat_new, k_hat_all, keep_new, keep_all, offset, unit_diagonal)  # [B, Hkv, T, C + T]
     rhs = v_new.to(k_hat_new.dtype).transpose(1, 2)  # [B, Hkv, T, D]
     if offset:
         rhs = rhs - rows[..., :offset] @ v_prime_cache.transpose(1, 2)
@@ -128,14 +131,17 @@ def lucid_extend(k_hat_cache: torch.Tensor, v_prime_cache: torch.Tensor, keep_ca
 
 
 def lucid_precondition_reference(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
-                                 eps: float = LUCID_ATTENTION_EPS) -> torch.Tensor:
-    """V′ = L⁻¹V ``[B, N, H_kv, D]`` in fp32 (fp64 for fp64 input) by a triangular solve."""
+                                 eps: float = LUCID_ATTENTION_EPS, *, unit_diagonal: bool = False) -> torch.Tensor:
+    """V′ = L⁻¹V ``[B, N, H_kv, D]`` in fp32 (fp64 for fp64 input) by a triangular solve.
+
+    ``unit_diagonal=True`` replaces the computed diagonal exp(s·‖k̂_i‖² − √d) by
+    exactly 1 (the spec's open point 1 alternative; the default keeps the computed one)."""
     batch, length, heads, dim = k.shape
     compute = _compute_dtype(k.dtype)
     keep = _keep(key_mask, batch, length, k.device)
     k_hat = lucid_key_norm(k, eps, key_mask)
     empty = k_hat.new_zeros(batch, 0, heads, dim)
-    return lucid_extend(empty, empty, keep[:, :0], k_hat, v.to(compute), keep)
+    return lucid_extend(empty, empty, keep[:, :0], k_hat, v.to(compute), keep, unit_diagonal)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, values: torch.Tensor,
@@ -165,6 +171,7 @@ def lucid_attention_reference(
     eps: float = LUCID_ATTENTION_EPS,
     *,
     upcast: bool = True,
+    unit_diagonal: bool = False,
 ) -> torch.Tensor:
     """Reference LUCID attention.
 
@@ -177,11 +184,13 @@ def lucid_attention_reference(
         upcast: attention in fp32 and cast back (the ground truth); ``False`` runs the
             attention in the input dtype (the same-dtype baseline). The key norm, L and
             the solve are fp32 either way, as the method requires.
+        unit_diagonal: use L_ii = 1 instead of the computed diagonal (spec open point 1;
+            the recommendation, and default, is the computed diagonal).
     Returns:
         ``[B, S, H, D]`` in the dtype of ``q``.
     """
     dtype = q.dtype
-    v_prime = lucid_precondition_reference(k, v, key_mask, eps)
+    v_prime = lucid_precondition_reference(k, v, key_mask, eps, unit_diagonal=unit_diagonal)
     compute = _compute_dtype(dtype) if upcast else dtype
     out = _causal_attention(q.to(compute), k.to(compute), v_prime.to(compute), key_mask)
     return out.to(dtype)
@@ -231,7 +240,8 @@ class LucidCache:
     key_hat   ``[B, C, H_kv, D]`` their RMS-normalised form (fp32/fp64), for new rows of L;
     v_prime   ``[B, C, H_kv, D]`` preconditioned values V′ (fp32/fp64), **not** v;
     keep      ``[B, C]`` bool keep mask, or None when every key is kept;
-    eps       the ``lucid_attention_eps`` the cache was built with.
+    eps       the ``lucid_attention_eps`` the cache was built with;
+    unit_diagonal  whether L's diagonal was taken as exactly 1.
 
     The class itself is the tag: a decode step accepts nothing else, because a cache
     of plain values mixed with LUCID would be silently wrong."""
@@ -241,6 +251,7 @@ class LucidCache:
     v_prime: torch.Tensor
     keep: torch.Tensor | None
     eps: float
+    unit_diagonal: bool = False
 
     @property
     def seq_len(self) -> int:
@@ -267,6 +278,8 @@ class LucidAttention(nn.Module):
         head_dim: D.
         lucid_attention_eps: eps of the key RMS norm inside the preconditioner (seed: 1e-6).
         backend: "auto" | "triton" | "reference".
+        unit_diagonal: take L_ii = 1 instead of its computed value exp(s·‖k̂_i‖² − √d)
+            (spec open point 1; default False, the recommendation, in prefill and decode).
 
     ``forward(q, k, v, attention_mask=None, cache=None) -> (out, cache)``:
     ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, S, H_kv, D]`` for the S tokens of this
@@ -283,7 +296,8 @@ class LucidAttention(nn.Module):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 lucid_attention_eps: float = LUCID_ATTENTION_EPS, backend: Backend = "auto") -> None:
+                 lucid_attention_eps: float = LUCID_ATTENTION_EPS, backend: Backend = "auto",
+                 unit_diagonal: bool = False) -> None:
         super().__init__()
         check_positive_int("num_heads", num_heads)
         check_positive_int("num_kv_heads", num_kv_heads)
@@ -295,10 +309,14 @@ class LucidAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.lucid_attention_eps = float(lucid_attention_eps)
         self.backend = backend
+        if not isinstance(unit_diagonal, bool):
+            raise ConfigError(f"`unit_diagonal` must be a bool, got {unit_diagonal!r}")
+        self.unit_diagonal = unit_diagonal
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"lucid_attention_eps={self.lucid_attention_eps}, backend={self.backend!r}")
+                f"lucid_attention_eps={self.lucid_attention_eps}, backend={self.backend!r}"
+                + (", unit_diagonal=True" if self.unit_diagonal else ""))
 
     def _check(self, q, k, v, attention_mask, cache) -> None:
         check_tensor("q", q, ndim=4, layout="[batch, seq, heads, head_dim]")
@@ -328,12 +346,15 @@ class LucidAttention(nn.Module):
         if cache.eps != self.lucid_attention_eps:
             raise ConfigError(f"`cache` was built with lucid_attention_eps={cache.eps}, "
                               f"this module uses {self.lucid_attention_eps}")
+        if cache.unit_diagonal != self.unit_diagonal:
+            raise ConfigError(f"`cache` was built with unit_diagonal={cache.unit_diagonal}, "
+                              f"this module uses {self.unit_diagonal}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: LucidCache | None = None,
                 ) -> tuple[torch.Tensor, LucidCache]:
         self._check(q, k, v, attention_mask, cache)
-        eps = self.lucid_attention_eps
+        eps, unit = self.lucid_attention_eps, self.unit_diagonal
         use_triton = resolve_backend(self.backend, q, k, v) == "triton"
         if use_triton and q.dtype == torch.float64:
             raise DTypeError("the Triton LUCID kernels support fp32/bf16/fp16; use backend='reference' for fp64")
@@ -346,14 +367,14 @@ class LucidAttention(nn.Module):
             if use_triton:
                 from laminae.triton_ops.lucid_attention import lucid_precondition
 
-                v_prime = lucid_precondition(k, v, key_mask, eps)
+                v_prime = lucid_precondition(k, v, key_mask, eps, unit_diagonal=unit)
             else:
-                v_prime = lucid_precondition_reference(k, v, key_mask, eps)
+                v_prime = lucid_precondition_reference(k, v, key_mask, eps, unit_diagonal=unit)
             keep = None if attention_mask is None else keep_new
             k_hat_all, v_prime_all = k_hat_new, v_prime
         else:
             keep_old = cache.keep_mask()
-            v_prime = lucid_extend(cache.key_hat, cache.v_prime, keep_old, k_hat_new, v, keep_new)
+            v_prime = lucid_extend(cache.key_hat, cache.v_prime, keep_old, k_hat_new, v, keep_new, unit)
             keys = torch.cat([cache.keys, k], dim=1)
             k_hat_all = torch.cat([cache.key_hat, k_hat_new], dim=1)
             v_prime_all = torch.cat([cache.v_prime, v_prime], dim=1)
@@ -367,4 +388,4 @@ class LucidAttention(nn.Module):
         else:
             compute = _compute_dtype(q.dtype)
             out = _causal_attention(q.to(compute), keys.to(compute), v_prime_all.to(compute), key_mask).to(q.dtype)
-        return out, LucidCache(keys, k_hat_all, v_prime_all, keep, eps)
+        return out, LucidCache(keys, k_hat_all, v_prime_all, keep, eps, unit)

@@ -107,8 +107,8 @@ def _unit_triangular_solve(t, rhs, n_rows, BLOCK: tl.constexpr, UPPER: tl.conste
 
 @triton.jit
 def _lucid_solve_kernel(k_ptr, v_ptr, mask_ptr, vp_ptr, N, HKV, D, eps, scale, shift,
-                        HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                        PRECISION: tl.constexpr):
+                        HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr,
+                        BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
     kvh = pid % HKV
@@ -141,6 +141,8 @@ def _lucid_solve_kernel(k_ptr, v_ptr, mask_ptr, vp_ptr, N, HKV, D, eps, scale, s
         l_ii = _l_tile(kh_i, kh_i, (offs[None, :] < offs[:, None]) | eye, scale, shift, PRECISION)
         # padding keys and rows past N: unit diagonal, nothing off the diagonal
         l_ii = tl.where(keep_i[:, None] & keep_i[None, :], l_ii, tl.where(eye, 1.0, 0.0))
+        if UNIT_DIAG:
+            l_ii = tl.where(eye, 1.0, l_ii)
         x = _unit_triangular_solve(l_ii, rhs, tl.minimum(BLOCK, N - start), BLOCK, False)
         tl.store(vp_base + io, x, mask=io_mask)
         tl.debug_barrier()  # later block rows of this program read these V′ rows
@@ -148,8 +150,8 @@ def _lucid_solve_kernel(k_ptr, v_ptr, mask_ptr, vp_ptr, N, HKV, D, eps, scale, s
 
 @triton.jit
 def _lucid_dv_kernel(k_ptr, mask_ptr, dvp_ptr, dv_ptr, N, HKV, D, eps, scale, shift,
-                     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid = tl.program_id(0)
     b = (pid // HKV).to(tl.int64)
     kvh = pid % HKV
@@ -182,6 +184,8 @@ def _lucid_dv_kernel(k_ptr, mask_ptr, dvp_ptr, dv_ptr, N, HKV, D, eps, scale, sh
         eye = offs[None, :] == offs[:, None]
         lt = _l_tile(kh_i, kh_i, (offs[None, :] > offs[:, None]) | eye, scale, shift, PRECISION)
         lt = tl.where(keep_i[:, None] & keep_i[None, :], lt, tl.where(eye, 1.0, 0.0))
+        if UNIT_DIAG:
+            lt = tl.where(eye, 1.0, lt)
         x = _unit_triangular_solve(lt, rhs, tl.minimum(BLOCK, N - start), BLOCK, True)
         tl.store(dv_base + io, x, mask=io_mask)
         tl.debug_barrier()  # earlier block rows of this program read these dV rows
@@ -189,8 +193,8 @@ def _lucid_dv_kernel(k_ptr, mask_ptr, dvp_ptr, dv_ptr, N, HKV, D, eps, scale, sh
 
 @triton.jit
 def _lucid_dk_kernel(k_ptr, mask_ptr, vp_ptr, dv_ptr, dk_ptr, N, HKV, D, eps, scale, shift,
-                     HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PRECISION: tl.constexpr):
+                     HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)
     b = (pid // HKV).to(tl.int64)
@@ -216,6 +220,8 @@ def _lucid_dk_kernel(k_ptr, mask_ptr, vp_ptr, dv_ptr, dk_ptr, N, HKV, D, eps, sc
         keep_j = _keep_rows(mask_ptr, b, cols, N, HAS_MASK)
         kh_j, _ = _khat_tile(k_base, cols, keep_j, row_stride, D, eps, BLOCK_D)
         allowed = (cols[None, :] <= rows[:, None]) & keep_i[:, None] & keep_j[None, :]
+        if UNIT_DIAG:  # a constant diagonal has no gradient
+            allowed = allowed & (cols[None, :] != rows[:, None])
         l_ij = _l_tile(kh_i, kh_j, allowed, scale, shift, PRECISION)
         vp_j = tl.load(vp_ptr + base + cols[:, None] * row_stride + offs_d[None, :],
                        mask=(cols < N)[:, None] & d_ok[None, :], other=0.0)
@@ -227,6 +233,8 @@ def _lucid_dk_kernel(k_ptr, mask_ptr, vp_ptr, dv_ptr, dk_ptr, N, HKV, D, eps, sc
         keep_j = _keep_rows(mask_ptr, b, cols, N, HAS_MASK)
         kh_j, _ = _khat_tile(k_base, cols, keep_j, row_stride, D, eps, BLOCK_D)
         allowed = (cols[None, :] >= rows[:, None]) & keep_i[:, None] & keep_j[None, :]
+        if UNIT_DIAG:
+            allowed = allowed & (cols[None, :] != rows[:, None])
         l_ji_t = _l_tile(kh_i, kh_j, allowed, scale, shift, PRECISION)
         dv_j = tl.load(dv_ptr + base + cols[:, None] * row_stride + offs_d[None, :],
                        mask=(cols < N)[:, None] & d_ok[None, :], other=0.0)
@@ -285,7 +293,7 @@ def _scalars(head_dim: int) -> tuple[float, float]:
 
 @triton_op("laminae::lucid_precondition", mutates_args=())
 def _lucid_precondition_op(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                           eps: float) -> torch.Tensor:
+                           eps: float, unit_diagonal: bool) -> torch.Tensor:
     """V′ = L⁻¹V ``[B, N, H_kv, D]`` in fp32 (k, v contiguous, key_mask int8 or None)."""
     B, N, HKV, D = k.shape
     block, warps = tiles(D, k.dtype)
@@ -293,7 +301,7 @@ def _lucid_precondition_op(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
     vp = empty((B, N, HKV, D), dtype=torch.float32, device=k.device)
     wrap_triton(_lucid_solve_kernel)[(B * HKV,)](
         k, v, key_mask, vp, N, HKV, D, eps, scale, shift,
-        HAS_MASK=key_mask is not None, BLOCK=block, BLOCK_D=block_d(D),
+        HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=block, BLOCK_D=block_d(D),
         PRECISION=dot_precision(k.dtype), num_warps=warps,
     )
     return vp
@@ -301,14 +309,15 @@ def _lucid_precondition_op(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
 
 @triton_op("laminae::lucid_precondition_bwd", mutates_args=())
 def _lucid_precondition_bwd_op(dvp: torch.Tensor, k: torch.Tensor, vp: torch.Tensor,
-                               key_mask: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                               key_mask: torch.Tensor | None, eps: float,
+                               unit_diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) of the preconditioner: dv = L⁻ᵀ dV′ in fp32, dk in the dtype of k."""
     B, N, HKV, D = k.shape
     block, warps = tiles(D, k.dtype)
     scale, shift = _scalars(D)
     dv = empty((B, N, HKV, D), dtype=torch.float32, device=k.device)
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
-    common = dict(HAS_MASK=key_mask is not None, BLOCK=block, BLOCK_D=block_d(D),
+    common = dict(HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=block, BLOCK_D=block_d(D),
                   PRECISION=dot_precision(k.dtype), num_warps=warps)
     wrap_triton(_lucid_dv_kernel)[(B * HKV,)](k, key_mask, dvp, dv, N, HKV, D, eps, scale, shift, **common)
     wrap_triton(_lucid_dk_kernel)[(triton.cdiv(N, block), B * HKV)](
@@ -317,16 +326,16 @@ def _lucid_precondition_bwd_op(dvp: torch.Tensor, k: torch.Tensor, vp: torch.Ten
 
 
 def _setup_context(ctx, inputs, output):
-    k, v, key_mask, eps = inputs
+    k, v, key_mask, eps, unit_diagonal = inputs
     ctx.save_for_backward(k, output, key_mask)
-    ctx.eps = eps
+    ctx.eps, ctx.unit_diagonal = eps, unit_diagonal
     ctx.v_dtype = v.dtype
 
 
 def _backward(ctx, dvp):
     k, vp, key_mask = ctx.saved_tensors
-    dk, dv = _lucid_precondition_bwd_op(dvp.float().contiguous(), k, vp, key_mask, ctx.eps)
-    return dk, dv.to(ctx.v_dtype), None, None
+    dk, dv = _lucid_precondition_bwd_op(dvp.float().contiguous(), k, vp, key_mask, ctx.eps, ctx.unit_diagonal)
+    return dk, dv.to(ctx.v_dtype), None, None, None
 
 
 _lucid_precondition_op.register_autograd(_backward, setup_context=_setup_context)
@@ -342,14 +351,15 @@ def _check_triton(k: torch.Tensor) -> None:
 
 
 def lucid_precondition(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
-                       eps: float = LUCID_ATTENTION_EPS) -> torch.Tensor:
+                       eps: float = LUCID_ATTENTION_EPS, *, unit_diagonal: bool = False) -> torch.Tensor:
     """Triton V′ = L⁻¹V with the signature of
     :func:`laminae.primitives.lucid_attention.lucid_precondition_reference`:
     ``k``, ``v`` ``[B, N, H_kv, D]`` → V′ ``[B, N, H_kv, D]`` fp32, differentiable in k and v."""
     _check_triton(k)
     if k.shape[1] == 0:
         return torch.zeros(k.shape, dtype=torch.float32, device=k.device) + 0.0 * (k.sum() + v.sum())
-    return _lucid_precondition_op(k.contiguous(), v.contiguous(), _mask_arg(key_mask), float(eps))
+    return _lucid_precondition_op(k.contiguous(), v.contiguous(), _mask_arg(key_mask), float(eps),
+                                  bool(unit_diagonal))
 
 
 def lucid_attend(q: torch.Tensor, k: torch.Tensor, v_prime: torch.Tensor,
@@ -369,6 +379,7 @@ def lucid_attention(
     eps: float = LUCID_ATTENTION_EPS,
     *,
     upcast: bool = True,
+    unit_diagonal: bool = False,
 ) -> torch.Tensor:
     """Triton LUCID attention with the signature of
     :func:`laminae.primitives.lucid_attention.lucid_attention_reference`.
@@ -382,7 +393,7 @@ def lucid_attention(
     _check_triton(q)
     if q.shape[1] == 0:
         return torch.zeros_like(q) + 0.0 * (k.sum() + v.sum())
-    v_prime = lucid_precondition(k, v, key_mask, eps)
+    v_prime = lucid_precondition(k, v, key_mask, eps, unit_diagonal=unit_diagonal)
     return lucid_attend(q, k, v_prime.to(q.dtype), key_mask)
 
 
@@ -397,8 +408,8 @@ def static_cases() -> Iterator[StaticCase]:
         precision = "ieee" if dt == "fp32" else "tf32"
         scalars = dict(N="i32", HKV="i32", D="i32", eps="fp32", scale="fp32", shift="fp32")
         for bd, (block, warps) in _TILES["fp32" if dt == "fp32" else "low"].items():
-            for has_mask in (True, False):
-                const = dict(HAS_MASK=has_mask, BLOCK=block, BLOCK_D=bd, PRECISION=precision)
+            for has_mask, unit in ((True, False), (False, False), (True, True), (False, True)):
+                const = dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=block, BLOCK_D=bd, PRECISION=precision)
                 tags = {"dtype": dt}
                 yield StaticCase("lucid_solve", _lucid_solve_kernel,
                                  dict(k_ptr=p, v_ptr=p, mask_ptr="*i8", vp_ptr="*fp32") | scalars,

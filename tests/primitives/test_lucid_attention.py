@@ -335,3 +335,37 @@ def test_functional_shape_errors():
     q, k, v = _qkv(1, 5, 5, 4, 2, 8)
     with pytest.raises(ConfigError):
         check_lucid_inputs(q, k, v, None, -1.0)
+
+
+# ---------------------------------------------------------------- open point 1: unit diagonal
+
+
+def test_unit_diagonal_alternative():
+    q, k, v = _qkv(2, 8, 8, 2, 1, 4, seed=9)
+    k = k * 1e-2
+    keep = _ragged(2, 8)
+    L = lucid_matrix(k, keep, eps=1e-4, unit_diagonal=True)
+    torch.testing.assert_close(L.diagonal(dim1=-2, dim2=-1), torch.ones(2, 1, 8, dtype=F64))
+    L_computed = lucid_matrix(k, keep, eps=1e-4)
+    off = ~torch.eye(8, dtype=torch.bool)
+    torch.testing.assert_close(L[..., off], L_computed[..., off])
+    v_prime = lucid_precondition_reference(k, v, keep, 1e-4, unit_diagonal=True)
+    torch.testing.assert_close(L @ v_prime.transpose(1, 2), v.transpose(1, 2))
+    # decoding with the same choice reproduces the forward
+    m = LucidAttention(2, 1, 4, lucid_attention_eps=1e-4, backend="reference", unit_diagonal=True)
+    full, _ = m(q, k, v, keep)
+    torch.testing.assert_close(full, lucid_attention_reference(q, k, v, keep, 1e-4, unit_diagonal=True))
+    _, cache = m(q[:, :5], k[:, :5], v[:, :5], keep[:, :5])
+    steps = []
+    for t in range(5, 8):
+        o, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], keep[:, t:t + 1], cache=cache)
+        steps.append(o)
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 5:], atol=1e-12, rtol=0)
+    with pytest.raises(ConfigError, match="unit_diagonal"):
+        LucidAttention(2, 1, 4, lucid_attention_eps=1e-4)(q[:, 5:6], k[:, 5:6], v[:, 5:6], cache=cache)
+    with pytest.raises(ConfigError, match="unit_diagonal"):
+        LucidAttention(2, 1, 4, unit_diagonal=1)
+    k.requires_grad_(True)
+    v.requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda k, v: lucid_precondition_reference(k, v, keep, 1e-4, unit_diagonal=True), (k, v))

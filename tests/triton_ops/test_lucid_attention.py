@@ -50,10 +50,12 @@ heads = st.sampled_from([(1, 1), (2, 1), (4, 2)])
 
 
 @given(B=st.integers(1, 2), S=st.integers(1, 40), extra=st.integers(0, 12), hk=heads,
-       D=st.sampled_from([8, 16, 32]), masked=st.booleans(), scale=scales, seed=seeds)
-def test_kernel_matches_reference_fp32(B, S, extra, hk, D, masked, scale, seed):
+       D=st.sampled_from([8, 16, 32]), masked=st.booleans(), scale=scales, unit=st.booleans(), seed=seeds)
+def test_kernel_matches_reference_fp32(B, S, extra, hk, D, masked, scale, unit, seed):
     H, HKV = hk
     inp = _inputs(B, S, S + extra, H, HKV, D, masked, scale, seed)
+    if unit:  # spec open point 1 alternative (eps = 1e-4 moves the computed diagonal of small keys off 1)
+        inp.update(eps=1e-4, unit_diagonal=True)
     with small_blocks():
         assert_parity(lucid_attention, lucid_attention_reference, inp, ["q", "k", "v"])
 
@@ -65,6 +67,13 @@ def test_preconditioner_matches_triangular_solve(B, N, HKV, D, masked, scale, se
     del inp["q"]
     with small_blocks():
         assert_parity(lucid_precondition, lucid_precondition_reference, inp, ["k", "v"])
+
+
+def test_unit_diagonal_variant():
+    inp = _inputs(2, 20, 25, 2, 1, 8, True, 0.01, 3)
+    inp.update(eps=1e-4, unit_diagonal=True)
+    with small_blocks():
+        assert_parity(lucid_attention, lucid_attention_reference, inp, ["q", "k", "v"])
 
 
 def test_block_solve_equals_dense_solve_T300_block64():
@@ -137,7 +146,7 @@ def test_opcheck_schema_and_autograd_registration():
     # they run in the GPU-marked test below.
     with small_blocks():
         for m in (None, mask):
-            torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, m, 1e-6),
+            torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, m, 1e-6, False),
                                   test_utils=("test_schema", "test_autograd_registration"))
 
 
@@ -146,10 +155,11 @@ def test_opcheck_full_gpu():
     k = torch.randn(2, 130, 2, 64, device="cuda", requires_grad=True)
     v = torch.randn(2, 130, 2, 64, device="cuda", requires_grad=True)
     mask = (torch.rand(2, 130, device="cuda") > 0.2).to(torch.int8)
-    torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, mask, 1e-6))
+    torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, mask, 1e-6, False))
+    torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, mask, 1e-6, True))
     dvp = torch.randn(2, 130, 2, 64, device="cuda")
-    vp = lucid_ops._lucid_precondition_op(k.detach(), v.detach(), mask, 1e-6)
-    torch.library.opcheck(lucid_ops._lucid_precondition_bwd_op, (dvp, k.detach(), vp, mask, 1e-6))
+    vp = lucid_ops._lucid_precondition_op(k.detach(), v.detach(), mask, 1e-6, False)
+    torch.library.opcheck(lucid_ops._lucid_precondition_bwd_op, (dvp, k.detach(), vp, mask, 1e-6, False))
 
 
 @pytest.mark.gpu
