@@ -1,4 +1,4 @@
-"""Memory Caching kernels: a chunked forward and backward over segments.
+"""Memory Caching kernels: a chunked forward and backward, tiled within segments.
 
 Split of the work:
 
@@ -7,23 +7,32 @@ Split of the work:
   O(B·S·N·G) work, no head or head-dim factor; autograd takes dγ back to u and p.
 - Full memories M_i = Σ κφ(k)vᵀ [B, H, N, D, D] and z_i [B, H, N, D] (torch, one
   einsum; O(N·D²) per head), recomputed in backward.
-- Three kernels, one program per (segment, batch·head), the segment's L tokens one
-  tile of BLOCK_L rows (L and D padded to powers of two ≥ 16, masked loads):
+- Four kernels. A segment of L tokens is cut into row blocks of BLOCK_L rows
+  (NB = ⌈min(L, S)/BLOCK_L⌉ per segment), as causal flash attention cuts a
+  sequence; D is padded to BLOCK_D = max(16, next_power_of_2(D)) with masked loads.
+  A d×d memory is read in slabs of BLOCK_E rows or columns when BLOCK_E < BLOCK_D
+  (D = 128), so no program holds a whole segment or a whole 128 × 128 matrix:
 
-Forward  ``_mc_fwd_kernel``, program (s, b·h): own segment causally
-         (A = tril(φQ·κφKᵀ), γ_s·A·V, γ_s·ΣA), then walks i < s loading M_i, z_i:
+Forward  ``_mc_fwd_kernel``, program (row block of segment s, b·h): own segment
+         causally over its row blocks ≤ the query block (A = φQ·κφKᵀ, masked on
+         the diagonal block; γ_s·A·V, γ_s·ΣA), then walks i < s loading M_i, z_i:
          acc += γ_i·φQ·M_i, den += γ_i·φQ·z_i. Writes y = acc/(den + eps) and
          D_t = den + eps (fp32 [B, H, S]).
 Backward with dN = g/D_t and dD = −(g·y)/D_t (torch, an O(S) row statistic):
-         ``_mc_bwd_q_kernel``, program (s, b·h): dq and ∂ℓ/∂γ_i = dN·num_i + dD·den_i
-         for every i ≤ s (per head, [B, H, S, N]; torch sums the heads), walking
-         i < s like the forward.
-         ``_mc_bwd_kv_kernel``, program (i, b·h): walks the later query segments
-         s > i accumulating dM_i [D, D] and dz_i [D] on chip, then writes dk, dv
-         of segment i (own-segment causal part + V·dM_iᵀ + dz_i, κφK·dM_i).
+         ``_mc_bwd_q_kernel``, program (query row block, b·h): dq and
+         ∂ℓ/∂γ_i = dN·num_i + dD·den_i for every i ≤ s (per head, [B, H, S, N];
+         torch sums the heads), walking like the forward.
+         ``_mc_bwd_mem_kernel``, program (segment i, b·h, slab of BLOCK_E rows of
+         dM): walks the tokens after segment i in blocks of BLOCK_L rows,
+         dM_i = Σ γ_i·φq·dNᵀ, dz_i = Σ γ_i·dD·φq (fp32 [B, H, N, D, D] and [B, H, N, D]).
+         ``_mc_bwd_kv_kernel``, program (key row block of segment i, b·h): the own
+         segment's query row blocks ≥ the key block (causal part), then the
+         memory share V·dM_iᵀ + dz_i, κφK·dM_i; writes dk, dv.
 
-No (segments × segments × L × D) tensor exists; cost per program is linear in the
-number of segments it walks. fp32 accumulation; fp32/bf16/fp16 inputs.
+No (segments × segments × L × D) tensor exists; every program walks at most N
+segments (or the S tokens after its segment) at O(BLOCK_L·D²) per step, so the
+cost is linear in S for a fixed number of segments. fp32 accumulation;
+fp32/bf16/fp16 inputs. Nothing is written twice: no atomics.
 """
 from __future__ import annotations
 
@@ -40,13 +49,17 @@ from laminae.primitives.memory_caching import check_memory_caching_inputs
 
 from ._common import StaticCase, dot_precision, empty
 
-__all__ = ["memory_caching", "memory_caching_core", "segment_gates", "supports_tile"]
+__all__ = ["memory_caching", "memory_caching_core", "segment_gates", "supports_tile", "MAX_HEAD_DIM"]
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
-# Supported tiles (BLOCK_L, BLOCK_D) -> num_warps: L and D are padded to powers of two
-# >= 16 and each segment is one on-chip tile. Every entry is compiled for sm_90 by the
-# static check without spills; larger tiles (e.g. 32 x 64) spill in the fp32 backward.
-WARPS = {(16, 16): 4, (16, 32): 4, (32, 16): 4, (32, 32): 8, (16, 64): 8, (64, 16): 8}
+MAX_HEAD_DIM = 128
+# BLOCK_D (head dim padded to a power of two >= 16) -> (largest BLOCK_L, BLOCK_E, num_warps,
+# num_stages); launches use exactly these (num_stages included) so the static check sees them.
+# BLOCK_L = min(largest, max(16, next_power_of_2(L))): any segment length is a runtime
+# loop over row blocks. BLOCK_E < BLOCK_D reads the d×d memories in slabs. Every
+# (BLOCK_L, BLOCK_D) this can produce is listed by static_cases() and compiles for
+# sm_90 without spills.
+CONFIGS = {16: (16, 16, 8, 2), 32: (16, 32, 8, 1), 64: (16, 32, 8, 2), 128: (16, 16, 8, 1)}
 
 
 @triton.jit
@@ -56,41 +69,69 @@ def _phi(x):
 
 @triton.jit
 def _mc_fwd_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, mem_ptr, z_ptr, y_ptr, den_ptr,
-                   S, H, D, L, N, eps,
-                   BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    seg = tl.program_id(0)
+                   S, H, D, L, N, NB, eps,
+                   BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                   PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    seg = pid // NB
+    rb = pid % NB
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    offs_l = tl.arange(0, BLOCK_L)
-    tok = seg.to(tl.int64) * L + offs_l
-    row_ok = (offs_l < L) & (tok < S)
+    offs = tl.arange(0, BLOCK_L)
+    r_in = rb * BLOCK_L + offs                       # row within the segment
+    tok = seg.to(tl.int64) * L + r_in
+    row_ok = (r_in < L) & (tok < S)
     cd = tl.arange(0, BLOCK_D)
     d_ok = cd < D
     m_hd = row_ok[:, None] & d_ok[None, :]
-    m_dd = d_ok[:, None] & d_ok[None, :]
     hd = ((b * S + tok) * H + h) * D
     gam_row = (b * S + tok) * N
+    phq = tl.where(m_hd, _phi(tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)), 0.0)
 
-    keep = tl.load(keep_ptr + b * S + tok, mask=row_ok, other=0.0)
-    q = tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
-    phq = tl.where(m_hd, _phi(q), 0.0)
-    phk = tl.where(m_hd, _phi(k), 0.0) * keep[:, None]
-
-    # own segment: causal linear attention
-    causal = offs_l[:, None] >= offs_l[None, :]
+    # own segment: causal linear attention over the key row blocks kb <= rb
+    acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    acc_den = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for kb in range(0, rb + 1):
+        k_in = kb * BLOCK_L + offs
+        ktok = seg.to(tl.int64) * L + k_in
+        k_ok = (k_in < L) & (ktok < S)
+        m_k = k_ok[:, None] & d_ok[None, :]
+        khd = ((b * S + ktok) * H + h) * D
+        keep = tl.load(keep_ptr + b * S + ktok, mask=k_ok, other=0.0)
+        phk = tl.where(m_k, _phi(tl.load(k_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)),
+                       0.0) * keep[:, None]
+        v = tl.load(v_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)
+        a = tl.dot(phq, tl.trans(phk), input_precision=PRECISION)
+        a = tl.where(r_in[:, None] >= k_in[None, :], a, 0.0)
+        acc += tl.dot(a, v, input_precision=PRECISION)
+        acc_den += tl.sum(a, axis=1)
     gam = tl.load(gam_ptr + gam_row + seg, mask=row_ok, other=0.0)
-    a = tl.where(causal, tl.dot(phq, tl.trans(phk), input_precision=PRECISION), 0.0)
-    acc = gam[:, None] * tl.dot(a, v, input_precision=PRECISION)
-    acc_den = gam * tl.sum(a, axis=1)
+    acc = gam[:, None] * acc
+    acc_den = gam * acc_den
     # earlier segments: full memories
+    ce = tl.arange(0, BLOCK_E)
     for i in range(0, seg):
         gam = tl.load(gam_ptr + gam_row + i, mask=row_ok, other=0.0)
-        mem = tl.load(mem_ptr + ((bh * N + i) * D + cd[:, None]) * D + cd[None, :], mask=m_dd, other=0.0)
-        mz = tl.load(z_ptr + (bh * N + i) * D + cd, mask=d_ok, other=0.0)
-        acc += gam[:, None] * tl.dot(phq, mem, input_precision=PRECISION)
+        base = (bh * N + i) * D
+        if BLOCK_E == BLOCK_D:
+            mem = tl.load(mem_ptr + (base + cd[:, None]) * D + cd[None, :], mask=d_ok[:, None] & d_ok[None, :],
+                          other=0.0)
+            num = tl.dot(phq, mem, input_precision=PRECISION)
+        else:
+            # φQ·M_i over slabs of BLOCK_E memory rows (φq columns reloaded per slab)
+            num = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_E):
+                cr = d0 + ce
+                r_ok = cr < D
+                m_r = row_ok[:, None] & r_ok[None, :]
+                phq_r = tl.where(m_r, _phi(tl.load(q_ptr + hd[:, None] + cr[None, :], mask=m_r,
+                                                   other=0.0).to(tl.float32)), 0.0)
+                mem = tl.load(mem_ptr + (base + cr[:, None]) * D + cd[None, :], mask=r_ok[:, None] & d_ok[None, :],
+                              other=0.0)
+                num += tl.dot(phq_r, mem, input_precision=PRECISION)
+        mz = tl.load(z_ptr + base + cd, mask=d_ok, other=0.0)
+        acc += gam[:, None] * num
         acc_den += gam * tl.sum(phq * mz[None, :], axis=1)
 
     den = acc_den + eps
@@ -101,113 +142,196 @@ def _mc_fwd_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, mem_ptr, z_ptr, y_ptr
 @triton.jit
 def _mc_bwd_q_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, mem_ptr, z_ptr, g_ptr, den_ptr, dden_ptr,
                      dq_ptr, dgam_ptr,
-                     S, H, D, L, N,
-                     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    seg = tl.program_id(0)
+                     S, H, D, L, N, NB,
+                     BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                     PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    seg = pid // NB
+    rb = pid % NB
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    offs_l = tl.arange(0, BLOCK_L)
-    tok = seg.to(tl.int64) * L + offs_l
-    row_ok = (offs_l < L) & (tok < S)
+    offs = tl.arange(0, BLOCK_L)
+    r_in = rb * BLOCK_L + offs
+    tok = seg.to(tl.int64) * L + r_in
+    row_ok = (r_in < L) & (tok < S)
     cd = tl.arange(0, BLOCK_D)
     d_ok = cd < D
     m_hd = row_ok[:, None] & d_ok[None, :]
-    m_dd = d_ok[:, None] & d_ok[None, :]
     hd = ((b * S + tok) * H + h) * D
     gam_row = (b * S + tok) * N
     dgam_row = (bh * S + tok) * N
 
-    keep = tl.load(keep_ptr + b * S + tok, mask=row_ok, other=0.0)
-    q = tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
+    phq = tl.where(m_hd, _phi(tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)), 0.0)
     go = tl.load(g_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
     den = tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
     d_den = tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0)   # ∂ℓ/∂(Σγ·den) = −(g·y)/den
-    phq = tl.where(m_hd, _phi(q), 0.0)
-    phk = tl.where(m_hd, _phi(k), 0.0) * keep[:, None]
     d_num = go / den[:, None]                                          # ∂ℓ/∂(Σγ·num)
 
-    # own segment
-    causal = offs_l[:, None] >= offs_l[None, :]
+    # own segment, key row blocks kb <= rb
+    dg = tl.zeros([BLOCK_L], dtype=tl.float32)
+    dphq = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    for kb in range(0, rb + 1):
+        k_in = kb * BLOCK_L + offs
+        ktok = seg.to(tl.int64) * L + k_in
+        k_ok = (k_in < L) & (ktok < S)
+        m_k = k_ok[:, None] & d_ok[None, :]
+        khd = ((b * S + ktok) * H + h) * D
+        keep = tl.load(keep_ptr + b * S + ktok, mask=k_ok, other=0.0)
+        phk = tl.where(m_k, _phi(tl.load(k_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)),
+                       0.0) * keep[:, None]
+        v = tl.load(v_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)
+        causal = r_in[:, None] >= k_in[None, :]
+        a = tl.where(causal, tl.dot(phq, tl.trans(phk), input_precision=PRECISION), 0.0)
+        dg += tl.sum(d_num * tl.dot(a, v, input_precision=PRECISION), axis=1) + d_den * tl.sum(a, axis=1)
+        da = tl.where(causal, tl.dot(d_num, tl.trans(v), input_precision=PRECISION) + d_den[:, None], 0.0)
+        dphq += tl.dot(da, phk, input_precision=PRECISION)
     gam = tl.load(gam_ptr + gam_row + seg, mask=row_ok, other=0.0)
-    a = tl.where(causal, tl.dot(phq, tl.trans(phk), input_precision=PRECISION), 0.0)
-    dgam = tl.sum(d_num * tl.dot(a, v, input_precision=PRECISION), axis=1) + d_den * tl.sum(a, axis=1)
-    tl.store(dgam_ptr + dgam_row + seg, dgam, mask=row_ok)
-    da = tl.dot(gam[:, None] * d_num, tl.trans(v), input_precision=PRECISION) + (gam * d_den)[:, None]
-    da = tl.where(causal, da, 0.0)
-    dphq = tl.dot(da, phk, input_precision=PRECISION)
+    dphq = gam[:, None] * dphq
+    tl.store(dgam_ptr + dgam_row + seg, dg, mask=row_ok)
     # earlier segments
+    ce = tl.arange(0, BLOCK_E)
     for i in range(0, seg):
         gam = tl.load(gam_ptr + gam_row + i, mask=row_ok, other=0.0)
-        mem = tl.load(mem_ptr + ((bh * N + i) * D + cd[:, None]) * D + cd[None, :], mask=m_dd, other=0.0)
-        mz = tl.load(z_ptr + (bh * N + i) * D + cd, mask=d_ok, other=0.0)
-        num = tl.dot(phq, mem, input_precision=PRECISION)
-        dgam = tl.sum(d_num * num, axis=1) + d_den * tl.sum(phq * mz[None, :], axis=1)
-        tl.store(dgam_ptr + dgam_row + i, dgam, mask=row_ok)
-        dphq += gam[:, None] * (tl.dot(d_num, tl.trans(mem), input_precision=PRECISION)
-                                + d_den[:, None] * mz[None, :])
+        base = (bh * N + i) * D
+        mz = tl.load(z_ptr + base + cd, mask=d_ok, other=0.0)
+        dg = d_den * tl.sum(phq * mz[None, :], axis=1)
+        if BLOCK_E == BLOCK_D:
+            mem = tl.load(mem_ptr + (base + cd[:, None]) * D + cd[None, :], mask=d_ok[:, None] & d_ok[None, :],
+                          other=0.0)
+            dg += tl.sum(d_num * tl.dot(phq, mem, input_precision=PRECISION), axis=1)
+            dmq = tl.dot(d_num, tl.trans(mem), input_precision=PRECISION)
+        else:
+            # slabs of BLOCK_E memory columns (value dim; dN columns reloaded per slab)
+            dmq = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+            for e0 in range(0, D, BLOCK_E):
+                cc = e0 + ce
+                c_ok = cc < D
+                m_c = row_ok[:, None] & c_ok[None, :]
+                dn_c = tl.load(g_ptr + hd[:, None] + cc[None, :], mask=m_c, other=0.0).to(tl.float32) / den[:, None]
+                mem = tl.load(mem_ptr + (base + cd[:, None]) * D + cc[None, :], mask=d_ok[:, None] & c_ok[None, :],
+                              other=0.0)
+                dg += tl.sum(dn_c * tl.dot(phq, mem, input_precision=PRECISION), axis=1)
+                dmq += tl.dot(dn_c, tl.trans(mem), input_precision=PRECISION)
+        tl.store(dgam_ptr + dgam_row + i, dg, mask=row_ok)
+        dphq += gam[:, None] * (dmq + d_den[:, None] * mz[None, :])
 
     # φ'(q) = min(φ(q), 1): 1 for q > 0, exp(q) below
     tl.store(dq_ptr + hd[:, None] + cd[None, :], (dphq * tl.minimum(phq, 1.0)).to(dq_ptr.dtype.element_ty), mask=m_hd)
 
 
 @triton.jit
-def _mc_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, g_ptr, den_ptr, dden_ptr, dk_ptr, dv_ptr,
-                      S, H, D, L, N,
-                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def _mc_bwd_mem_kernel(q_ptr, gam_ptr, g_ptr, den_ptr, dden_ptr, dmem_ptr, dz_ptr,
+                       S, H, D, L, N,
+                       BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                       PRECISION: tl.constexpr):
     seg = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    offs_l = tl.arange(0, BLOCK_L)
+    offs = tl.arange(0, BLOCK_L)
     cd = tl.arange(0, BLOCK_D)
     d_ok = cd < D
-    d_mem = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
-    d_z = tl.zeros([BLOCK_D], dtype=tl.float32)
-
-    # later query segments read this segment's full memory: accumulate dM, dz
-    for s in range(seg + 1, N):
-        tok = s * L + offs_l  # < S: int32 is exact; every product below is int64 (bh, b)
-        row_ok = (offs_l < L) & (tok < S)
+    cr = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)   # this program's rows of dM (φq dim)
+    r_ok = cr < D
+    d_mem = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
+    d_z = tl.zeros([BLOCK_E], dtype=tl.float32)
+    # every token after segment seg reads its full memory
+    for t0 in range((seg + 1) * L, S, BLOCK_L):
+        tok = t0 + offs                     # < S: int32 is exact; the products below are int64 (b, bh)
+        row_ok = tok < S
         m_hd = row_ok[:, None] & d_ok[None, :]
+        m_r = row_ok[:, None] & r_ok[None, :]
         hd = ((b * S + tok) * H + h) * D
-        q = tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
-        go = tl.load(g_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
+        gam = tl.load(gam_ptr + (b * S + tok) * N + seg, mask=row_ok, other=0.0)
         den = tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
         d_den = tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0)
-        gam = tl.load(gam_ptr + (b * S + tok) * N + seg, mask=row_ok, other=0.0)
-        gq = gam[:, None] * tl.where(m_hd, _phi(q), 0.0)
+        gq = gam[:, None] * tl.where(m_r, _phi(tl.load(q_ptr + hd[:, None] + cr[None, :], mask=m_r,
+                                                       other=0.0).to(tl.float32)), 0.0)
+        go = tl.load(g_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
         d_mem += tl.dot(tl.trans(gq), go / den[:, None], input_precision=PRECISION)
         d_z += tl.sum(gq * d_den[:, None], axis=0)
+    base = (bh * N + seg) * D
+    tl.store(dmem_ptr + (base + cr[:, None]) * D + cd[None, :], d_mem, mask=r_ok[:, None] & d_ok[None, :])
+    tl.store(dz_ptr + base + cr, d_z, mask=r_ok)
 
-    # this segment as its own query segment (causal part), then its memory's share
-    tok = seg.to(tl.int64) * L + offs_l
-    row_ok = (offs_l < L) & (tok < S)
-    m_hd = row_ok[:, None] & d_ok[None, :]
-    hd = ((b * S + tok) * H + h) * D
-    keep = tl.load(keep_ptr + b * S + tok, mask=row_ok, other=0.0)
-    den = tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
-    gam = tl.load(gam_ptr + (b * S + tok) * N + seg, mask=row_ok, other=0.0)
-    d_num_own = gam[:, None] * tl.load(g_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32) \
-        / den[:, None]
-    phq = tl.where(m_hd, _phi(tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)), 0.0)
-    phk = tl.where(m_hd, _phi(tl.load(k_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)),
+
+@triton.jit
+def _mc_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, g_ptr, den_ptr, dden_ptr, dmem_ptr, dz_ptr,
+                      dk_ptr, dv_ptr,
+                      S, H, D, L, N, NB,
+                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                      PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    seg = pid // NB
+    kb = pid % NB
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    offs = tl.arange(0, BLOCK_L)
+    k_in = kb * BLOCK_L + offs                       # key row within the segment
+    ktok = seg.to(tl.int64) * L + k_in
+    k_ok = (k_in < L) & (ktok < S)
+    cd = tl.arange(0, BLOCK_D)
+    d_ok = cd < D
+    m_k = k_ok[:, None] & d_ok[None, :]
+    khd = ((b * S + ktok) * H + h) * D
+    keep = tl.load(keep_ptr + b * S + ktok, mask=k_ok, other=0.0)
+    phk = tl.where(m_k, _phi(tl.load(k_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)),
                    0.0) * keep[:, None]
-    causal = offs_l[:, None] >= offs_l[None, :]
-    # dv = Aᵀ·(γ dN) + κφ(K)·dM
-    a = tl.where(causal, tl.dot(phq, tl.trans(phk), input_precision=PRECISION), 0.0)
-    dv = tl.dot(tl.trans(a), d_num_own, input_precision=PRECISION) + tl.dot(phk, d_mem, input_precision=PRECISION)
-    tl.store(dv_ptr + hd[:, None] + cd[None, :], dv.to(dv_ptr.dtype.element_ty), mask=m_hd)
-    # dφ(k) = dAᵀ·φ(Q) + V·dMᵀ + dz;  φ'(k) = min(φ(k), 1) (1 for k > 0, exp(k) below)
-    v = tl.load(v_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
-    d_den_own = gam * tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0)
-    da = tl.where(causal, tl.dot(d_num_own, tl.trans(v), input_precision=PRECISION) + d_den_own[:, None], 0.0)
-    dphk = (tl.dot(tl.trans(da), phq, input_precision=PRECISION)
-            + tl.dot(v, tl.trans(d_mem), input_precision=PRECISION) + d_z[None, :])
-    dk = dphk * tl.minimum(phk, 1.0)
-    tl.store(dk_ptr + hd[:, None] + cd[None, :], dk.to(dk_ptr.dtype.element_ty), mask=m_hd)
+    v = tl.load(v_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)
+
+    # own segment: query row blocks qb >= kb;  dv = Aᵀ·(γ dN),  dφ(k) = dAᵀ·φ(Q)
+    dv = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    dphk = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    for qb in range(kb, NB):
+        r_in = qb * BLOCK_L + offs
+        tok = seg.to(tl.int64) * L + r_in
+        row_ok = (r_in < L) & (tok < S)
+        m_hd = row_ok[:, None] & d_ok[None, :]
+        hd = ((b * S + tok) * H + h) * D
+        gam = tl.load(gam_ptr + (b * S + tok) * N + seg, mask=row_ok, other=0.0)
+        den = tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
+        d_den = gam * tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0)
+        d_num = gam[:, None] * tl.load(g_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32) \
+            / den[:, None]
+        phq = tl.where(m_hd, _phi(tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd,
+                                          other=0.0).to(tl.float32)), 0.0)
+        causal = r_in[None, :] >= k_in[:, None]                   # [key, query]
+        at = tl.where(causal, tl.dot(phk, tl.trans(phq), input_precision=PRECISION), 0.0)
+        dv += tl.dot(at, d_num, input_precision=PRECISION)
+        dat = tl.where(causal, tl.dot(v, tl.trans(d_num), input_precision=PRECISION) + d_den[None, :], 0.0)
+        dphk += tl.dot(dat, phq, input_precision=PRECISION)
+
+    # the memory's share: dv += κφ(K)·dM,  dφ(k) += V·dMᵀ + dz
+    base = (bh * N + seg) * D
+    if BLOCK_E == BLOCK_D:
+        d_mem = tl.load(dmem_ptr + (base + cd[:, None]) * D + cd[None, :], mask=d_ok[:, None] & d_ok[None, :],
+                        other=0.0)
+        dv += tl.dot(phk, d_mem, input_precision=PRECISION)
+        dphk += tl.dot(v, tl.trans(d_mem), input_precision=PRECISION)
+    else:
+        ce = tl.arange(0, BLOCK_E)
+        for d0 in range(0, D, BLOCK_E):
+            cs = d0 + ce
+            s_ok = cs < D
+            m_s = k_ok[:, None] & s_ok[None, :]
+            # dv over slabs of dM rows (κφk columns reloaded), dφ(k) over slabs of dM columns (v columns)
+            phk_s = tl.where(m_s, _phi(tl.load(k_ptr + khd[:, None] + cs[None, :], mask=m_s,
+                                               other=0.0).to(tl.float32)), 0.0) * keep[:, None]
+            dm_r = tl.load(dmem_ptr + (base + cs[:, None]) * D + cd[None, :], mask=s_ok[:, None] & d_ok[None, :],
+                           other=0.0)
+            dv += tl.dot(phk_s, dm_r, input_precision=PRECISION)
+            v_s = tl.load(v_ptr + khd[:, None] + cs[None, :], mask=m_s, other=0.0).to(tl.float32)
+            dm_c = tl.load(dmem_ptr + (base + cd[:, None]) * D + cs[None, :], mask=d_ok[:, None] & s_ok[None, :],
+                           other=0.0)
+            dphk += tl.dot(v_s, tl.trans(dm_c), input_precision=PRECISION)
+    d_z = tl.load(dz_ptr + base + cd, mask=d_ok, other=0.0)
+    dphk += d_z[None, :]
+    tl.store(dv_ptr + khd[:, None] + cd[None, :], dv.to(dv_ptr.dtype.element_ty), mask=m_k)
+    # φ'(k) = min(φ(k), 1) (1 for k > 0, exp(k) below); the keep factor is already in phk
+    tl.store(dk_ptr + khd[:, None] + cd[None, :], (dphk * tl.minimum(phk, 1.0)).to(dk_ptr.dtype.element_ty),
+             mask=m_k)
 
 
 # ----------------------------------------------------------------------------
@@ -215,18 +339,23 @@ def _mc_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, g_ptr, den_ptr, dd
 # ----------------------------------------------------------------------------
 
 
-def _tiles(segment_len: int, head_dim: int) -> tuple[int, int]:
-    return max(16, triton.next_power_of_2(segment_len)), max(16, triton.next_power_of_2(head_dim))
-
-
 def supports_tile(segment_len: int, head_dim: int) -> bool:
-    """Whether the kernels have a tile for this (segment_len, head_dim)."""
-    return _tiles(segment_len, head_dim) in WARPS
+    """Whether the kernels have a configuration for this (segment_len, head_dim):
+    any segment length (a runtime loop over row blocks) and ``head_dim ≤ MAX_HEAD_DIM``."""
+    return segment_len >= 1 and 1 <= head_dim <= MAX_HEAD_DIM
 
 
-def _blocks(segment_len: int, head_dim: int) -> tuple[int, int, int]:
-    block_l, block_d = _tiles(segment_len, head_dim)
-    return block_l, block_d, WARPS[(block_l, block_d)]
+def _config(segment_len: int, head_dim: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_L, BLOCK_D, BLOCK_E, num_warps, num_stages) for a supported shape."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    max_l, block_e, warps, stages = CONFIGS[block_d]
+    block_l = min(max_l, max(16, triton.next_power_of_2(segment_len)))
+    return block_l, block_d, block_e, warps, stages
+
+
+def _row_blocks(S: int, segment_len: int, block_l: int) -> int:
+    """Row blocks per segment; a sequence shorter than one segment needs only its rows."""
+    return triton.cdiv(min(segment_len, S), block_l)
 
 
 def segment_gates(u: torch.Tensor, p: torch.Tensor, keep: torch.Tensor, segment_len: int) -> torch.Tensor:
@@ -277,10 +406,12 @@ def memory_caching_core(
     mem, mz = _segment_memories(k, v, keep, segment_len)
     y = empty((B, S, H, D), dtype=q.dtype, device=q.device)
     den = empty((B, H, S), dtype=torch.float32, device=q.device)
-    block_l, block_d, warps = _blocks(segment_len, D)
-    wrap_triton(_mc_fwd_kernel)[(N, B * H)](
-        q, k, v, keep, gamma, mem, mz, y, den, S, H, D, segment_len, N, eps,
-        BLOCK_L=block_l, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype), num_warps=warps,
+    block_l, block_d, block_e, warps, stages = _config(segment_len, D)
+    nb = _row_blocks(S, segment_len, block_l)
+    wrap_triton(_mc_fwd_kernel)[(N * nb, B * H)](
+        q, k, v, keep, gamma, mem, mz, y, den, S, H, D, segment_len, N, nb, eps,
+        BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_E=block_e, PRECISION=dot_precision(q.dtype), num_warps=warps,
+        num_stages=stages,
     )
     return y, den
 
@@ -293,8 +424,10 @@ def _memory_caching_core_bwd(
     B, S, H, D = q.shape
     N = gamma.shape[-1]
     mem, mz = _segment_memories(k, v, keep, segment_len)
-    block_l, block_d, warps = _blocks(segment_len, D)
-    common = dict(BLOCK_L=block_l, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype), num_warps=warps)
+    block_l, block_d, block_e, warps, stages = _config(segment_len, D)
+    nb = _row_blocks(S, segment_len, block_l)
+    common = dict(BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_E=block_e, PRECISION=dot_precision(q.dtype),
+                  num_warps=warps, num_stages=stages)
     dq = empty((B, S, H, D), dtype=q.dtype, device=q.device)
     dk = empty((B, S, H, D), dtype=k.dtype, device=q.device)
     dv = empty((B, S, H, D), dtype=v.dtype, device=q.device)
@@ -302,11 +435,17 @@ def _memory_caching_core_bwd(
     dgam_heads = torch.zeros((B, H, S, N), dtype=torch.float32, device=q.device)
     # ∂ℓ/∂(Σγ·den) = −(g·y)/den per token and head, [B, H, S] fp32 (O(S) row statistic)
     dden = (-(g.float() * y.float()).sum(-1).transpose(1, 2) / den).contiguous()
-    wrap_triton(_mc_bwd_q_kernel)[(N, B * H)](
-        q, k, v, keep, gamma, mem, mz, g, den, dden, dq, dgam_heads, S, H, D, segment_len, N, **common,
+    wrap_triton(_mc_bwd_q_kernel)[(N * nb, B * H)](
+        q, k, v, keep, gamma, mem, mz, g, den, dden, dq, dgam_heads, S, H, D, segment_len, N, nb, **common,
     )
-    wrap_triton(_mc_bwd_kv_kernel)[(N, B * H)](
-        q, k, v, keep, gamma, g, den, dden, dk, dv, S, H, D, segment_len, N, **common,
+    # ∂ℓ/∂M_i, ∂ℓ/∂z_i of every segment's full memory (the last one's stay zero)
+    dmem = empty((B, H, N, D, D), dtype=torch.float32, device=q.device)
+    dz = empty((B, H, N, D), dtype=torch.float32, device=q.device)
+    wrap_triton(_mc_bwd_mem_kernel)[(N, B * H, triton.cdiv(D, block_e))](
+        q, gamma, g, den, dden, dmem, dz, S, H, D, segment_len, N, **common,
+    )
+    wrap_triton(_mc_bwd_kv_kernel)[(N * nb, B * H)](
+        q, k, v, keep, gamma, g, den, dden, dmem, dz, dk, dv, S, H, D, segment_len, N, nb, **common,
     )
     return dq, dk, dv, dgam_heads.sum(1)
 
@@ -343,8 +482,8 @@ def memory_caching(
 
     ``q``, ``k``, ``v`` ``[B, S, H, D]`` and ``u``, ``p`` ``[B, S, G]`` in one of
     fp32/bf16/fp16; ``mask`` an optional ``(B, S)`` keep mask. Returns ``y``
-    ``[B, S, H, D]`` in the input dtype. Tile limits (see ``WARPS``): L ≤ 16 with
-    D ≤ 64, L ≤ 32 with D ≤ 32, or L ≤ 64 with D ≤ 16; otherwise ``ConfigError``.
+    ``[B, S, H, D]`` in the input dtype. Any ``segment_len``; ``head_dim ≤ 128``
+    (``MAX_HEAD_DIM``), otherwise ``ConfigError``.
     The gates (O(S·N·G), no head dim) are torch; gradients reach u and p through them.
     """
     check_memory_caching_inputs(q, k, v, u, p, segment_len, mask, eps)
@@ -352,10 +491,8 @@ def memory_caching(
         raise DTypeError(f"Triton memory caching supports fp32/bf16/fp16 inputs, got {q.dtype}")
     B, S, H, D = q.shape
     if not supports_tile(segment_len, D):
-        supported = ", ".join(f"L<={bl}&D<={bd}" for bl, bd in WARPS)
-        raise ConfigError(f"Triton memory caching supports (segment_len, head_dim) with one on-chip tile per "
-                          f"segment: {supported}; got segment_len={segment_len}, head_dim={D}. "
-                          "Use the reference backend for larger tiles")
+        raise ConfigError(f"Triton memory caching supports head_dim <= {MAX_HEAD_DIM} (any segment_len); "
+                          f"got head_dim={D}. Use the reference backend for larger heads")
     keep = (torch.ones(B, S, dtype=torch.float32, device=q.device) if mask is None
             else mask.to(torch.float32)).contiguous()
     gamma = segment_gates(u, p, keep, int(segment_len)).contiguous()
@@ -370,23 +507,30 @@ def memory_caching(
 
 
 def static_cases() -> Iterator[StaticCase]:
+    """Every configuration ``_config`` can launch: for each BLOCK_D, BLOCK_L = 16
+    (segments of ≤ 16 tokens) and the largest BLOCK_L, in each input dtype."""
     scal = dict(S="i32", H="i32", D="i32", L="i32", N="i32")
     for dt in ("fp32", "bf16", "fp16"):
         pt = f"*{dt}"
         precision = "ieee" if dt == "fp32" else "tf32"
-        for (block_l, block_d), warps in WARPS.items():
-            const = dict(BLOCK_L=block_l, BLOCK_D=block_d, PRECISION=precision)
-            ins = dict(q_ptr=pt, k_ptr=pt, v_ptr=pt, keep_ptr="*fp32", gam_ptr="*fp32")
-            tags = {"dtype": dt}
-            yield StaticCase("mc_fwd", _mc_fwd_kernel,
-                             {**ins, "mem_ptr": "*fp32", "z_ptr": "*fp32", "y_ptr": pt, "den_ptr": "*fp32",
-                              **scal, "eps": "fp32"}, const, warps, tags=tags)
-            grad_in = dict(g_ptr=pt, den_ptr="*fp32", dden_ptr="*fp32")
-            yield StaticCase("mc_bwd_q", _mc_bwd_q_kernel,
-                             {**ins, "mem_ptr": "*fp32", "z_ptr": "*fp32", **grad_in, "dq_ptr": pt,
-                              "dgam_ptr": "*fp32", **scal}, const, warps, tags=tags)
-            yield StaticCase("mc_bwd_kv", _mc_bwd_kv_kernel,
-                             {**ins, **grad_in, "dk_ptr": pt, "dv_ptr": pt, **scal}, const, warps, tags=tags)
+        for block_d, (max_l, block_e, warps, stages) in CONFIGS.items():
+            for block_l in sorted({16, max_l}):
+                const = dict(BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_E=block_e, PRECISION=precision)
+                ins = dict(q_ptr=pt, k_ptr=pt, v_ptr=pt, keep_ptr="*fp32", gam_ptr="*fp32")
+                tags = {"dtype": dt}
+                yield StaticCase("mc_fwd", _mc_fwd_kernel,
+                                 {**ins, "mem_ptr": "*fp32", "z_ptr": "*fp32", "y_ptr": pt, "den_ptr": "*fp32",
+                                  **scal, "NB": "i32", "eps": "fp32"}, const, warps, stages, tags=tags)
+                grad_in = dict(g_ptr=pt, den_ptr="*fp32", dden_ptr="*fp32")
+                yield StaticCase("mc_bwd_q", _mc_bwd_q_kernel,
+                                 {**ins, "mem_ptr": "*fp32", "z_ptr": "*fp32", **grad_in, "dq_ptr": pt,
+                                  "dgam_ptr": "*fp32", **scal, "NB": "i32"}, const, warps, stages, tags=tags)
+                yield StaticCase("mc_bwd_mem", _mc_bwd_mem_kernel,
+                                 {"q_ptr": pt, "gam_ptr": "*fp32", **grad_in, "dmem_ptr": "*fp32",
+                                  "dz_ptr": "*fp32", **scal}, const, warps, stages, tags=tags)
+                yield StaticCase("mc_bwd_kv", _mc_bwd_kv_kernel,
+                                 {**ins, **grad_in, "dmem_ptr": "*fp32", "dz_ptr": "*fp32", "dk_ptr": pt,
+                                  "dv_ptr": pt, **scal, "NB": "i32"}, const, warps, stages, tags=tags)
 
 
 def tour_case(device: torch.device):

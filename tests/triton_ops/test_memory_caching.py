@@ -3,6 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import laminae.triton_ops.memory_caching as mc
 from laminae.primitives import BackendUnavailableError, ConfigError, DTypeError
 from laminae.primitives.memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from laminae.triton_ops.memory_caching import memory_caching, memory_caching_core, segment_gates
@@ -10,6 +11,9 @@ from laminae.triton_ops.memory_caching import memory_caching, memory_caching_cor
 from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
 
 GRADS = ["q", "k", "v", "u", "p"]
+# Tiny blocks (the interpreter accepts tl.dot below 16): several row blocks per segment
+# and several memory slabs (BLOCK_E < BLOCK_D) at short lengths and small head dims.
+SMALL_BLOCKS = {16: (4, 8, 4, 2), 32: (8, 8, 4, 2), 64: (8, 16, 4, 2), 128: (8, 32, 4, 2)}
 
 
 def _inputs(B, S, H, D, G, L, masked, scale, seed, dtype=torch.float32):
@@ -22,19 +26,54 @@ def _inputs(B, S, H, D, G, L, masked, scale, seed, dtype=torch.float32):
     return inp
 
 
-@given(B=st.integers(1, 2), S=st.integers(1, 40), L=st.sampled_from([4, 8, 16]), H=st.integers(1, 2),
-       D=st.sampled_from([8, 16, 32]), G=st.sampled_from([3, 8, 20]), masked=st.booleans(),
+@given(B=st.integers(1, 2), S=st.integers(1, 40), L=st.sampled_from([4, 8, 16, 32, 64]), H=st.integers(1, 2),
+       D=st.sampled_from([8, 16, 32, 64]), G=st.sampled_from([3, 8, 20]), masked=st.booleans(),
        scale=scales, seed=seeds)
 def test_kernel_matches_reference_fp32(B, S, L, H, D, G, masked, scale, seed):
     inp = _inputs(B, S, H, D, G, L, masked, scale, seed)
     assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
 
 
-@pytest.mark.parametrize("S, L", [(1, 4), (3, 16), (33, 8), (64, 64)])
+@given(B=st.integers(1, 2), S=st.integers(1, 28), L=st.sampled_from([4, 8, 16, 32]),
+       D=st.sampled_from([8, 16, 32, 64]), masked=st.booleans(), scale=scales, seed=seeds)
+def test_kernel_matches_reference_small_blocks(B, S, L, D, masked, scale, seed):
+    """Segments cut into several row blocks, memories read in several slabs."""
+    inp = _inputs(B, S, 1, D, 5, L, masked, scale, seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mc, "CONFIGS", SMALL_BLOCKS)
+        assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
+
+
+@pytest.mark.parametrize("S, L", [(1, 4), (3, 16), (33, 8), (64, 64), (70, 32), (5, 256), (40, 128)])
 def test_kernel_edge_lengths(S, L):
-    """One token, a prefix shorter than a segment, S not a multiple of L, the largest L."""
+    """One token, a prefix shorter than a segment, S not a multiple of L, long segments."""
     inp = _inputs(1, S, 1, 8, 5, L, True, 1.0, S)
     assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
+
+
+@pytest.mark.parametrize("S, L, D, small", [(37, 12, 64, True), (21, 8, 128, False), (26, 16, 96, True),
+                                             (40, 20, 24, True)])
+def test_kernel_row_blocks_and_memory_slabs(S, L, D, small):
+    """Segment lengths that are not a multiple of BLOCK_L, head dims padded to the
+    block, and D = 128 (BLOCK_E < BLOCK_D at the launch configuration)."""
+    inp = _inputs(1, S, 2, D, 6, L, True, 1.0, S + D)
+    with pytest.MonkeyPatch.context() as mp:
+        if small:
+            mp.setattr(mc, "CONFIGS", SMALL_BLOCKS)
+        assert mc._config(L, D)[0] < L or not small
+        assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
+
+
+def test_static_cases_cover_every_launch_configuration():
+    """The static sm_90 check compiles every (BLOCK_L, BLOCK_D, BLOCK_E, warps, stages) the launcher picks."""
+    listed = {(c.constexprs["BLOCK_L"], c.constexprs["BLOCK_D"], c.constexprs["BLOCK_E"], c.num_warps,
+               c.num_stages) for c in mc.static_cases()}
+    launched = {mc._config(L, D) for L in range(1, 300) for D in range(1, mc.MAX_HEAD_DIM + 1)}
+    assert launched <= listed
+    kernels = {c.name for c in mc.static_cases()}
+    assert kernels == {"mc_fwd", "mc_bwd_q", "mc_bwd_mem", "mc_bwd_kv"}
+    assert all(mc.supports_tile(L, D) for L in (1, 64, 128, 256, 1000) for D in (1, 32, 64, 128))
+    assert not mc.supports_tile(64, 129)
 
 
 def test_kernel_denominator_near_eps():
@@ -78,13 +117,36 @@ def test_module_backends_agree_including_parameter_grads_and_decode():
     assert (torch.cat(outs, 1) - res[0][0]).abs().max() < 1e-5
 
 
-def test_triton_rejects_float64_and_oversized_tiles():
+def test_triton_rejects_float64_and_oversized_heads():
     inp = _inputs(1, 5, 1, 8, 4, 4, False, 1.0, 0, dtype=torch.float64)
     with pytest.raises(DTypeError):
         memory_caching(**inp)
-    inp = _inputs(1, 5, 1, 8, 4, 128, False, 1.0, 0)
+    inp = _inputs(1, 5, 1, 160, 4, 128, False, 1.0, 0)
     with pytest.raises(ConfigError):
         memory_caching(**inp)
+
+
+def test_auto_backend_runs_the_kernel_for_realistic_shapes(monkeypatch):
+    """segment_len 64/128 with head_dim 64/128 have Triton configurations: no fallback."""
+    import warnings
+
+    import laminae.primitives.memory_caching as mc_module
+
+    monkeypatch.setattr(mc_module, "resolve_backend",   # as on CUDA
+                        lambda backend, *t: "reference" if backend == "reference" else "triton")
+    monkeypatch.setattr(mc_module, "_warned_tiles", set())
+    calls = []
+    monkeypatch.setattr(mc, "memory_caching", lambda *a, **k: calls.append(a[5]) or memory_caching(*a, **k))
+    for L, D in ((64, 64), (128, 128)):
+        m = MemoryCacheBranch(16, num_heads=1, head_dim=D, segment_len=L, gate_dim=4, backend="auto").to(DEVICE)
+        x = torch.randn(1, 6, 16, device=DEVICE)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y, _ = m(x)
+        assert not [w for w in caught if "no Triton tile" in str(w.message)]
+        m.backend = "reference"
+        torch.testing.assert_close(y, m(x)[0], atol=1e-5, rtol=1e-5)
+    assert calls == [64, 128]
 
 
 def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
@@ -119,9 +181,17 @@ def test_opcheck_full_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_kernel_matches_reference_low_precision(dtype):
-    inp = _inputs(2, 200, 2, 32, 24, 16, True, 1.0, 0, dtype=dtype)
+@pytest.mark.parametrize("L, D", [(16, 32), (64, 64), (128, 128), (256, 32)])
+def test_kernel_matches_reference_low_precision(dtype, L, D):
+    inp = _inputs(2, 300, 2, D, 24, L, True, 1.0, 0, dtype=dtype)
     assert_parity(memory_caching, memory_caching_reference, inp, GRADS, dtype=dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L, D", [(64, 64), (128, 128)])
+def test_kernel_matches_reference_fp32_realistic_shapes(L, D):
+    inp = _inputs(2, 500, 2, D, 32, L, True, 1.0, 1)
+    assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
 
 
 @pytest.mark.gpu
@@ -137,9 +207,9 @@ def test_compile_fullgraph_smoke():
 def test_auto_backend_without_a_tile_warns_and_runs_the_reference(monkeypatch):
     import laminae.primitives.memory_caching as mc_module
 
-    m = MemoryCacheBranch(16, num_heads=1, head_dim=64, segment_len=64, gate_dim=4, backend="auto").to(DEVICE)
+    m = MemoryCacheBranch(16, num_heads=1, head_dim=160, segment_len=64, gate_dim=4, backend="auto").to(DEVICE)
     x = torch.randn(1, 5, 16, device=DEVICE)
-    want = MemoryCacheBranch(16, num_heads=1, head_dim=64, segment_len=64, gate_dim=4, backend="reference")
+    want = MemoryCacheBranch(16, num_heads=1, head_dim=160, segment_len=64, gate_dim=4, backend="reference")
     want.load_state_dict(m.state_dict())
     monkeypatch.setattr(mc_module, "resolve_backend", lambda backend, *t: "triton")  # as on CUDA
     monkeypatch.setattr(mc_module, "_warned_tiles", set())
