@@ -14,8 +14,10 @@ Forward   ``_mom_fwd_kernel``, grid (B·S tokens, H): for each selected block t,
           Rows of a token differ in which slots they read, so scores are elementwise
           products and row sums (no tensor-core tile is shared by two tokens).
 Backward  ``_mom_bwd_token_kernel``, same grid: δ = dO·o, recomputed
-          P_j = exp(q·k_j/√hd + lg_t − LSE), dS_j = P_j (dO·v_j − δ); writes dq and
-          the per-head partial dlg_t = Σ_{j∈t} dS_j (summed over heads in torch).
+          P_j = exp(q·k_j/√hd + lg_t − LSE), dS_j = P_j (dO·v_j − δ); writes dq and,
+          per head and block, the mass W_t = Σ_{j∈t} P_j and c_t = Σ_{j∈t} P_j dP_j;
+          torch forms dlg_t = Σ_{j∈t} dS_j = Σ_t' (W_t' c_t − W_t c_t') (a pairwise
+          form free of the cancellation c_t − W_t·δ has when W_t ≈ 1) and sums heads.
           ``_mom_bwd_bank_kernel``, grid (E · slot chunks, H): the (token, t) pairs are
           stably sorted by block in torch (as in a grouped MoE GEMM), so every pair
           tile of block e reads the same K/V rows and the scores are one ``tl.dot``;
@@ -107,7 +109,7 @@ def _mom_fwd_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, lg_ptr, o_ptr, lse_ptr,
 
 @triton.jit
 def _mom_bwd_token_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, lg_ptr, o_ptr, lse_ptr, do_ptr,
-                          dq_ptr, delta_ptr, dlg_ptr,
+                          dq_ptr, delta_ptr, wc_ptr,
                           H, HD, TK, BS, qk_scale, sm_scale,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
@@ -128,7 +130,8 @@ def _mom_bwd_token_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, lg_ptr, o_ptr, lse_ptr, 
     for t in range(0, TK):
         e = tl.load(idx_ptr + n * TK + t).to(tl.int64)
         lg2 = tl.load(lg_ptr + n * TK + t) * 1.4426950408889634
-        dlg = tl.zeros([], dtype=tl.float32)
+        mass = tl.zeros([], dtype=tl.float32)   # W_t = Σ_{j∈t} P_j
+        mdp = tl.zeros([], dtype=tl.float32)    # c_t = Σ_{j∈t} P_j dP_j
         for start in range(0, BS, BLOCK_N):
             j = start + offs_n
             j_ok = j < BS
@@ -141,8 +144,11 @@ def _mom_bwd_token_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, lg_ptr, o_ptr, lse_ptr, 
             dp = tl.sum(v * do[None, :], axis=1)
             ds = p * (dp - delta)
             dq += tl.sum(ds[:, None] * k, axis=0)
-            dlg += tl.sum(ds, axis=0)
-        tl.store(dlg_ptr + (n * H + h) * TK + t, dlg)
+            mass += tl.sum(p, axis=0)
+            mdp += tl.sum(p * dp, axis=0)
+        wc = wc_ptr + ((n * H + h) * TK + t) * 2
+        tl.store(wc, mass)
+        tl.store(wc + 1, mdp)
     tl.store(dq_ptr + n * D + col, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -213,7 +219,7 @@ class MoMTiles:
 
 _TILES: dict[int, MoMTiles] = {
     16: MoMTiles(32, 2, 16, 32, 4),
-    32: MoMTiles(32, 2, 16, 32, 4),
+    32: MoMTiles(16, 2, 16, 32, 4),
     64: MoMTiles(32, 4, 16, 32, 4),
     128: MoMTiles(32, 4, 16, 32, 8),
 }
@@ -270,9 +276,9 @@ def _mom_read_bwd(do: torch.Tensor, q: torch.Tensor, k_bank: torch.Tensor, v_ban
     bd = block_d(hd)
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
     delta = empty((B, S, H), dtype=torch.float32, device=q.device)
-    dlg_heads = empty((B, S, H, tk), dtype=torch.float32, device=q.device)
+    wc = empty((B, S, H, tk, 2), dtype=torch.float32, device=q.device)
     wrap_triton(_mom_bwd_token_kernel)[(B * S, H)](
-        q, k_bank, v_bank, top_idx, log_gates, o, lse, do, dq, delta, dlg_heads,
+        q, k_bank, v_bank, top_idx, log_gates, o, lse, do, dq, delta, wc,
         H, hd, tk, block_size, qk_scale, sm_scale,
         BLOCK_N=t.token_n, BLOCK_D=bd, num_warps=t.token_warps,
     )
@@ -293,7 +299,13 @@ def _mom_read_bwd(do: torch.Tensor, q: torch.Tensor, k_bank: torch.Tensor, v_ban
         BLOCK_M=t.bank_m, BLOCK_N=t.bank_n, BLOCK_D=bd, PRECISION=dot_precision(q.dtype),
         num_warps=t.bank_warps,
     )
-    return dq, dk, dv, dlg_heads.sum(2)
+    # dlg_t = Σ_{j∈t} P_j (dP_j − δ) = c_t − W_t·Σ_t' c_t' (δ = Σ_t' c_t', Σ_t' W_t' = 1)
+    #       = Σ_t' (W_t' c_t − W_t c_t'),
+    # the pairwise form: when one block holds almost all the mass (W_t ≈ 1, c_t ≈ δ)
+    # every term is still a product of small numbers, where c_t − W_t·δ would cancel.
+    mass, mdp = wc.unbind(-1)
+    pairwise = mass.unsqueeze(-2) * mdp.unsqueeze(-1) - mass.unsqueeze(-1) * mdp.unsqueeze(-2)
+    return dq, dk, dv, pairwise.sum(-1).sum(2)
 
 
 def _setup_context(ctx, inputs, output):
@@ -383,7 +395,7 @@ def static_cases() -> Iterator[StaticCase]:
                              dict(BLOCK_N=t.token_n, BLOCK_D=bd), t.token_warps, tags=tags)
             yield StaticCase("mom_bwd_token", _mom_bwd_token_kernel,
                              dict(q_ptr=p, k_ptr=p, v_ptr=p, idx_ptr="*i64", lg_ptr="*fp32", o_ptr=p,
-                                  lse_ptr="*fp32", do_ptr=p, dq_ptr=p, delta_ptr="*fp32", dlg_ptr="*fp32",
+                                  lse_ptr="*fp32", do_ptr=p, dq_ptr=p, delta_ptr="*fp32", wc_ptr="*fp32",
                                   H="i32", HD="i32", TK="i32", BS="i32", qk_scale="fp32", sm_scale="fp32"),
                              dict(BLOCK_N=t.token_n, BLOCK_D=bd), t.token_warps, tags=tags)
             yield StaticCase("mom_bwd_bank", _mom_bwd_bank_kernel,

@@ -48,6 +48,19 @@ def _inputs(B, S, H, hd, E, bs, tk, scale, seed, dtype=torch.float32, never=()):
     }
 
 
+def reference_in_float64(q, k_bank, v_bank, top_idx, top_gates, block_size):
+    """The reference evaluated in float64 and cast back: the truth for fp32 parity.
+
+    At large value scales a gate's gradient dL/dg = dL/dlg / g divides a difference
+    of nearly equal fp32 numbers by g (a block holding almost all the softmax mass
+    has Σ_j dS_j = c_t − W_t·δ with W_t ≈ 1), so the fp32 reference itself can be
+    off by more than the fp32 tolerance there; the kernel forms that sum pairwise
+    and stays within tolerance of the float64 truth."""
+    out = mom_read_reference(q.double(), k_bank.double(), v_bank.double(), top_idx, top_gates.double(),
+                             block_size)
+    return out.to(q.dtype)
+
+
 @st.composite
 def routing(draw):
     E = draw(st.integers(2, 6))
@@ -61,12 +74,22 @@ def test_kernel_matches_reference_fp32(B, S, H, et, bs, hd, scale, seed, small):
     E, tk = et
     inp = _inputs(B, S, H, hd, E, bs, tk, scale, seed)
     with small_tiles(small):
-        assert_parity(mom_read, mom_read_reference, inp, GRADS)
+        assert_parity(mom_read, reference_in_float64, inp, GRADS)
+
+
+def test_float32_reference_parity_at_unit_scale():
+    inp = _inputs(2, 13, 2, 16, 5, 3, 3, 1.0, 11)
+    assert_parity(mom_read, mom_read_reference, inp, GRADS)
 
 
 def test_default_tiles_span_several_chunks_and_pair_tiles():
     # bs = 40 > 32 slots per chunk; 20 pairs per block > 16 pairs per bank tile
     inp = _inputs(1, 20, 1, 24, 2, 40, 2, 1.0, 5)
+    assert_parity(mom_read, mom_read_reference, inp, GRADS)
+
+
+def test_single_token_reads_one_pair_per_block():
+    inp = _inputs(1, 1, 2, 16, 4, 3, 2, 1.0, 4)
     assert_parity(mom_read, mom_read_reference, inp, GRADS)
 
 
