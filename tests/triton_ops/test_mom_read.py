@@ -2,7 +2,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from laminae.primitives import DTypeError, ShapeError
