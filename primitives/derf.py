@@ -12,6 +12,9 @@ the last S of the N key positions) and kept by the ``(batch, N)`` padding mask. 
 weights are bounded, ``w ∈ [min(0, γ), max(0, γ)]``, and are normalised by their
 plain sum (the 1e-8 keeps a fully masked row at 0 instead of 0/0). Per-head
 parameters ``derf_alpha`` (init 1), ``derf_bias`` (init 0), ``derf_gamma`` (init 1).
+Because of that normalisation γ_h cancels except through the 1e-8: the output
+hardly depends on ``derf_gamma`` and its gradient is of the order of 1e-8 (kept,
+as in the seed, so that seed checkpoints load unchanged).
 
 Context gate (per feature f)::
 
@@ -44,6 +47,7 @@ from ._validation import (
 
 __all__ = [
     "DERF_EPS",
+    "check_derf_attention_inputs",
     "derf_attention_reference",
     "derf_context_gate_reference",
     "DERFAttention",
@@ -53,6 +57,16 @@ __all__ = [
 
 # Added to the row sum of the weights before normalising, exactly as in the seed.
 DERF_EPS = 1e-8
+
+
+def _erf_plus_one_half(z: torch.Tensor) -> torch.Tensor:
+    """(erf(z) + 1)/2, computed as erfc(−z)/2.
+
+    The same function as the seed's ``(erf(z) + 1)/2``, without its cancellation:
+    for z ≲ −3, erf(z) is within a few fp32 ulps of −1 (erf(−4) rounds to −1
+    exactly), so erf(z) + 1 keeps at most a bit or two of its value. A DERF row
+    whose weights all sit there would be normalised noise."""
+    return torch.special.erfc(-z) / 2.0
 
 
 def _causal_visible(queries: int, keys: int, device: torch.device) -> torch.Tensor:
@@ -88,6 +102,8 @@ def derf_attention_reference(
     masked weights. The fill is dead code: masked weights are overwritten with a
     constant, so neither their value nor their gradient depends on the filled score.
     Here the masked weights are simply replaced by 0.
+
+    ``(γ·erf(z) + γ)/2`` is evaluated as ``γ·erfc(−z)/2`` (see :func:`_erf_plus_one_half`).
     """
     dtype = q.dtype
     compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
@@ -102,7 +118,7 @@ def derf_attention_reference(
     alpha = derf_alpha.to(compute).view(1, H, 1, 1)
     bias = derf_bias.to(compute).view(1, H, 1, 1)
     gamma = derf_gamma.to(compute).view(1, H, 1, 1)
-    weights = (gamma * torch.erf(alpha * scores + bias) + gamma) / 2.0
+    weights = gamma * _erf_plus_one_half(alpha * scores + bias)
     visible = _causal_visible(S, N, q.device)[None, None]
     if key_mask is not None:
         visible = visible & key_mask.to(device=q.device).bool()[:, None, None, :]
@@ -134,8 +150,56 @@ def derf_context_gate_reference(
     dtype = retrieved.dtype
     compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
     r, lg = retrieved.to(compute), logits.to(compute)
-    gate = gamma.to(compute) * ((torch.erf(alpha.to(compute) * lg + bias.to(compute)) + 1.0) / 2.0)
+    gate = gamma.to(compute) * _erf_plus_one_half(alpha.to(compute) * lg + bias.to(compute))
     return (r * gate).to(dtype)
+
+
+def _check_mask(name: str, mask: torch.Tensor | None, batch: int, length: int) -> None:
+    """(batch, length) 0/1 keep mask; the value scan is skipped while compiling (it syncs)."""
+    if mask is None:
+        return
+    if torch.compiler.is_compiling():
+        check_tensor(name, mask, dtypes=None, shape=(batch, length), layout="(batch, seq) keep mask")
+    else:
+        check_keep_mask(name, mask, batch, length)
+
+
+def check_derf_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    derf_alpha: torch.Tensor,
+    derf_bias: torch.Tensor,
+    derf_gamma: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+    *,
+    mask_name: str = "key_mask",
+) -> None:
+    """Shapes, dtypes and devices of a DERF attention call (raises ShapeError,
+    DTypeError, DeviceError or ValueError naming the argument)."""
+    check_tensor("q", q, ndim=4, layout="[batch, seq, num_heads, head_dim]")
+    B, S, H, D = q.shape
+    kv_layout = "[batch, keys, num_kv_heads, head_dim]"
+    check_tensor("k", k, ndim=4, layout=kv_layout)
+    check_tensor("v", v, ndim=4, layout=kv_layout)
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ShapeError(f"`k` must be [batch={B}, keys, num_kv_heads, head_dim={D}] {kv_layout}, "
+                         f"got {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ShapeError(f"`v` must have the shape of `k` {tuple(k.shape)}, got {tuple(v.shape)}")
+    N, kv_heads = k.shape[1], k.shape[2]
+    if S == 0:
+        raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
+    if kv_heads == 0 or H % kv_heads:
+        raise ShapeError(f"num_kv_heads (dim 2 of `k`) must divide num_heads={H} (dim 2 of `q`), got {kv_heads}")
+    if N < S:
+        raise ShapeError(f"`k`/`v` must cover the {S} query positions and any earlier ones (N >= S), got N={N}")
+    for name, p in (("derf_alpha", derf_alpha), ("derf_bias", derf_bias), ("derf_gamma", derf_gamma)):
+        check_tensor(name, p, shape=(H,), layout="[num_heads]")
+    check_same_dtype(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v, derf_alpha=derf_alpha, derf_bias=derf_bias, derf_gamma=derf_gamma,
+                      **{mask_name: key_mask})
+    _check_mask(mask_name, key_mask, B, N)
 
 
 # ----------------------------------------------------------------------------
@@ -143,7 +207,7 @@ def derf_context_gate_reference(
 # ----------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(eq=False)
 class DERFCache:
     """Keys, values and the key keep mask of the tokens seen so far, in preallocated
     buffers of ``max_len`` positions with a fill index (shapes stay static).
@@ -241,7 +305,14 @@ class DERFAttention(nn.Module):
     Example::
 
         attn = DERFAttention(num_heads=8, num_kv_heads=2, head_dim=64)
-        out, _ = attn(q, k, v, attention_mask=keep)           # training / prefill
+        out, _ = attn(q, k, v, attention_mask=keep)           # training: q, k, v [B, T, ., 64]
+
+        cache = attn.allocate_cache(batch, max_len, dtype=q.dtype)
+        out, cache = attn(q_prompt, k_prompt, v_prompt, prompt_keep, cache=cache)
+        out, cache = attn(q_next, k_next, v_next, cache=cache)  # one token: [B, 1, ., 64]
+
+    The seed's dropout on the attention weights (training only) is not part of this
+    core; the kernels have no dropout.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: Backend = "auto") -> None:
@@ -267,42 +338,30 @@ class DERFAttention(nn.Module):
         return DERFCache.allocate(batch, max_len, self.num_kv_heads, self.head_dim, dtype,
                                   device if device is not None else self.derf_alpha.device)
 
-    def _check(self, q, k, v, attention_mask, cache) -> None:
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        check_tensor("q", q, shape=(None, None, H, D), layout="[batch, seq, num_heads, head_dim]")
+    def _check_cache(self, q, k, attention_mask, cache: DERFCache) -> None:
         B, S = q.shape[0], q.shape[1]
-        kv_layout = "[batch, keys, num_kv_heads, head_dim]"
-        check_tensor("k", k, shape=(B, None, Hkv, D), layout=kv_layout)
-        check_tensor("v", v, shape=(B, k.shape[1], Hkv, D), layout=kv_layout)
-        check_same_dtype(q=q, k=k, v=v)
-        check_same_device(q=q, k=k, v=v, attention_mask=attention_mask, derf_alpha=self.derf_alpha)
-        if S == 0:
-            raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
-        if cache is None:
-            if k.shape[1] < S:
-                raise ShapeError(
-                    f"`k`/`v` must cover at least the {S} query positions (N >= S), got N={k.shape[1]}")
-            check_keep_mask("attention_mask", attention_mask, B, k.shape[1])
-            return
         if not isinstance(cache, DERFCache):
             raise TypeError(f"`cache` must be a DERFCache or None, got {type(cache).__name__}")
         if k.shape[1] != S:
             raise ShapeError(
-                f"with a cache, `k`/`v` hold the {S} new tokens of `q`, got {k.shape[1]} key positions")
-        check_keep_mask("attention_mask", attention_mask, B, S)
-        want = (B, cache.max_len, Hkv, D)
-        if tuple(cache.key.shape) != want:
+                f"with a cache, `k`/`v` hold the new tokens of `q`: expected {S} key positions, got {k.shape[1]}")
+        _check_mask("attention_mask", attention_mask, B, S)
+        check_same_device(k=k, attention_mask=attention_mask)
+        if cache.batch != B:
+            raise ShapeError(f"`cache` batch size must match q: expected {B}, got {cache.batch}")
+        want = (B, cache.max_len, self.num_kv_heads, self.head_dim)
+        if tuple(cache.key.shape) != want or tuple(cache.value.shape) != want:
             raise ShapeError(
                 f"`cache` buffers must be [batch, max_len, num_kv_heads, head_dim] = {want}, "
-                f"got {tuple(cache.key.shape)}")
+                f"got key {tuple(cache.key.shape)}, value {tuple(cache.value.shape)}")
         if cache.key.dtype != k.dtype:
-            raise DTypeError(f"`cache` dtype must match k ({k.dtype}), got {cache.key.dtype}")
+            raise DTypeError(f"`cache` dtype must match k: expected {k.dtype}, got {cache.key.dtype}")
         if cache.key.device != k.device:
-            raise DeviceError(f"`cache` must be on the device of k ({k.device}), got {cache.key.device}")
+            raise DeviceError(f"`cache` must be on the device of k: expected {k.device}, got {cache.key.device}")
         if cache.length + S > cache.max_len:
             raise ConfigError(
                 f"`cache` overflow: it holds {cache.length} of max_len={cache.max_len} positions, "
-                f"cannot append {S} more")
+                f"cannot append {S} more (allocate a larger cache or reset it)")
 
     def forward(
         self,
@@ -312,15 +371,23 @@ class DERFAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: DERFCache | None = None,
     ) -> tuple[torch.Tensor, DERFCache | None]:
-        self._check(q, k, v, attention_mask, cache)
-        key_mask = attention_mask
-        if cache is not None:
-            k, v, key_mask = cache.append(k, v, attention_mask)
         params = (self.derf_alpha, self.derf_bias, self.derf_gamma)
+        check_tensor("q", q, shape=(None, None, self.num_heads, self.head_dim),
+                     layout="[batch, seq, num_heads, head_dim]")
+        check_tensor("k", k, shape=(None, None, self.num_kv_heads, self.head_dim),
+                     layout="[batch, keys, num_kv_heads, head_dim]")
+        if cache is None:
+            check_derf_attention_inputs(q, k, v, *params, attention_mask, mask_name="attention_mask")
+            key_mask = attention_mask
+        else:
+            # the new tokens first (their k/v/mask cover S positions), then the cache
+            check_derf_attention_inputs(q, k, v, *params, None)
+            self._check_cache(q, k, attention_mask, cache)
+            k, v, key_mask = cache.append(k, v, attention_mask)
         if resolve_backend(self.backend, q, k, v) == "triton":
-            from laminae.triton_ops.derf import derf_attention
+            from laminae.triton_ops.derf import launch_derf_attention
 
-            return derf_attention(q, k, v, *params, key_mask), cache
+            return launch_derf_attention(q, k, v, *params, key_mask), cache
         return derf_attention_reference(q, k, v, *params, key_mask), cache
 
 

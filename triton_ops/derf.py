@@ -1,0 +1,685 @@
+"""DERF attention and DERF context gate kernels.
+
+Attention (flash-style: no [S, N] matrix is ever stored; extra memory is O(S)):
+
+Forward   grid (query blocks, B·H). Each program walks the key blocks up to its
+          causal limit: s = q·kᵀ·scale, w = γ·(erf(α·s + b) + 1)/2 where visible,
+          acc += w·v, den += Σw; writes out = acc/(den + 1e-8) and den (fp32).
+Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i (torch):
+            dw_ij = (dout_i·v_j − delta_i)·rden_i
+            dz_ij = dw_ij·γ/√π·exp(−z_ij²)          z = α·s + b, zero where masked
+          dK/dV kernel, grid (key blocks, B·H_kv): for every query head of the kv
+          group and every query block at or after the key block, accumulates
+            dv_j += Σ_i w_ij·rden_i·dout_i,   dk_j += Σ_i α·dz_ij·q_i·scale.
+          dQ kernel, grid (query blocks, B·H): dq_i = Σ_j α·dz_ij·k_j·scale, plus
+          per-program partial sums Σ dz·s, Σ dz, Σ dw·(erf+1)/2 for dα, db, dγ
+          (reduced in torch; they sit here rather than in the dK/dV kernel, whose
+          two [BLOCK_N, D] accumulators already fill the registers).
+          Both recompute s and w; nothing is written twice, so no atomics.
+
+(erf(z) + 1)/2 is evaluated as erfc(−z)/2 with a rational approximation (relative
+error ≲ 2e-6 for |z| < 4, ≲ 1e-5 out to fp32 underflow). Written as erf(z) + 1 it cancels catastrophically for
+z ≲ −3 in fp32 (erf(−4) rounds to −1), and attention rows whose weights all lie
+there would then depend on the last bit of erf.
+
+Context gate: out = r·g, g = γ·(erf(α·ℓ + b) + 1)/2, one elementwise pass over
+[rows, F]; the backward pass writes dr, dℓ and per-program column partial sums for
+dα, db, dγ. The projection ℓ = proj([r, x]) stays in torch (cuBLAS).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from laminae.primitives._errors import DTypeError, ShapeError
+from laminae.primitives.derf import DERF_EPS, check_derf_attention_inputs
+
+from ._common import StaticCase, dot_precision, empty, empty_like, num_programs_for_rows, triton_dtype
+
+__all__ = ["derf_attention", "derf_context_gate", "derf_attention_op", "derf_context_gate_op"]
+
+MAX_HEAD_DIM = 256
+_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
+
+# Tiles, per kernel and input precision, for each padded head dim:
+# BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages). fp32 dots run on FMA units
+# (exact products), which hold their operands in registers: smaller tiles. Every
+# entry is compiled for sm_90 by the static check (no spills, shared <= 227 KB).
+TILES = {
+    ("fwd", "fp32"): {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2),
+                      256: (32, 16, 4, 2)},
+    ("fwd", "16bit"): {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 32, 4, 2),
+                       256: (64, 32, 8, 2)},
+    ("dkdv", "fp32"): {16: (32, 32, 4, 2), 32: (32, 32, 8, 2), 64: (32, 32, 8, 2), 128: (32, 16, 8, 2),
+                       256: (16, 16, 8, 2)},
+    ("dkdv", "16bit"): {16: (32, 64, 4, 2), 32: (32, 64, 4, 2), 64: (32, 64, 4, 2), 128: (32, 32, 4, 2),
+                        256: (32, 16, 8, 2)},
+    ("dq", "fp32"): {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2),
+                     256: (16, 16, 4, 2)},
+    ("dq", "16bit"): {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 32, 4, 2),
+                      256: (32, 16, 4, 2)},
+}
+
+
+def _tiles(kind: str, dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
+    return TILES[(kind, "fp32" if dtype == torch.float32 else "16bit")][block_d]
+
+
+GATE_BLOCK_R = 16
+GATE_BLOCK_F = 128
+GATE_WARPS = 4
+
+
+# ----------------------------------------------------------------------------
+# Shared device helpers
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _erf_plus_one_half(z):
+    """(erf(z) + 1)/2 = erfc(−z)/2, accurate in relative terms for every z.
+
+    erfc(x), x ≥ 0, by the Chebyshev-fitted rational form of Numerical Recipes
+    (fractional error < 1.2e-7 in exact arithmetic)."""
+    x = tl.abs(z)
+    t = 1.0 / (1.0 + 0.5 * x)
+    p = 0.17087277
+    p = -0.82215223 + t * p
+    p = 1.48851587 + t * p
+    p = -1.13520398 + t * p
+    p = 0.27886807 + t * p
+    p = -0.18628806 + t * p
+    p = 0.09678418 + t * p
+    p = 0.37409196 + t * p
+    p = 1.00002368 + t * p
+    p = -1.26551223 + t * p
+    half_erfc = 0.5 * t * tl.exp(p - x * x)
+    return tl.where(z < 0, half_erfc, 1.0 - half_erfc)
+
+
+# ----------------------------------------------------------------------------
+# Attention kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _derf_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr, out_ptr, den_ptr,
+    S, N, H, GROUP, D, scale,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_mb,
+    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = (h // GROUP).to(tl.int64)
+    past = N - S
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < S
+    d_ok = offs_d < D
+    q_base = q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    alpha = tl.load(alpha_ptr + h)
+    bias = tl.load(bias_ptr + h)
+    gamma = tl.load(gamma_ptr + h)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    qpos = offs_m + past
+    hi = tl.minimum(N, past + (pid_m + 1) * BLOCK_M)  # last key any query of this block sees, + 1
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        visible = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + b * stride_mb + offs_n, mask=n_ok, other=0)
+            visible = visible & (keep != 0)[None, :]
+        w = gamma * _erf_plus_one_half(alpha * s + bias)
+        w = tl.where(visible, w, 0.0)
+        den += tl.sum(w, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+
+    out = acc / (den + 1e-8)[:, None]
+    o_base = out_ptr + b * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(den_ptr + pid_bh.to(tl.int64) * S + offs_m, den, mask=m_ok)
+
+
+@triton.jit
+def _derf_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr,
+    do_ptr, delta_ptr, rden_ptr, dk_ptr, dv_ptr,
+    S, N, H, GROUP, D, scale,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dkb, stride_dkn, stride_dkh,
+    stride_dvb, stride_dvn, stride_dvh,
+    stride_mb,
+    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    # Works in the transposed orientation [keys, queries] so that the key block's
+    # k, v, dk, dv stay put while the query blocks stream past.
+    pid_n = tl.program_id(0)
+    pid_bk = tl.program_id(1)
+    kv_heads = H // GROUP
+    b = (pid_bk // kv_heads).to(tl.int64)
+    hk = pid_bk % kv_heads
+    past = N - S
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < N
+    d_ok = offs_d < D
+    kv_mask = n_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_ptr + b * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    key_ok = n_ok
+    if HAS_MASK:
+        keep = tl.load(mask_ptr + b * stride_mb + offs_n, mask=n_ok, other=0)
+        key_ok = key_ok & (keep != 0)
+
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    # first query that can see this key block: position past + i >= first key
+    lo = tl.maximum(pid_n * BLOCK_N - past, 0)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        alpha = tl.load(alpha_ptr + h)
+        bias = tl.load(bias_ptr + h)
+        gamma = tl.load(gamma_ptr + h)
+        q_base = q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh
+        row_base = (b * H + h) * S
+        for start_m in range(lo, S, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < S
+            qd_mask = m_ok[:, None] & d_ok[None, :]
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=qd_mask, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=qd_mask, other=0.0)
+            delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            rden = tl.load(rden_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+
+            z = alpha * scale * tl.dot(k, tl.trans(q), input_precision=PRECISION) + bias   # [N, M]
+            visible = key_ok[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :] + past)
+            w_r = tl.where(visible, gamma * _erf_plus_one_half(z) * rden[None, :], 0.0)
+            dv += tl.dot(w_r.to(do.dtype), do, input_precision=PRECISION)
+            dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)                        # dout_i·v_j
+            dw = tl.where(visible, (dp - delta[None, :]) * rden[None, :], 0.0)
+            ds = dw * (alpha * gamma * 0.5641895835477563) * tl.exp(-z * z)                # α·γ/√π·e^(−z²)
+            dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
+
+    dk = dk * scale
+    dk_base = dk_ptr + b * stride_dkb + hk.to(tl.int64) * stride_dkh
+    dv_base = dv_ptr + b * stride_dvb + hk.to(tl.int64) * stride_dvh
+    tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _derf_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr,
+    do_ptr, delta_ptr, rden_ptr, dq_ptr, part_ptr,
+    S, N, H, GROUP, D, scale,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kn, stride_kh,
+    stride_vb, stride_vn, stride_vh,
+    stride_dob, stride_dos, stride_doh,
+    stride_dqb, stride_dqs, stride_dqh,
+    stride_mb,
+    HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    hk = (h // GROUP).to(tl.int64)
+    past = N - S
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < S
+    d_ok = offs_d < D
+    qd_mask = m_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=qd_mask, other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dos
+                 + offs_d[None, :], mask=qd_mask, other=0.0)
+    delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * S + offs_m, mask=m_ok, other=0.0)
+    rden = tl.load(rden_ptr + pid_bh.to(tl.int64) * S + offs_m, mask=m_ok, other=0.0)
+    alpha = tl.load(alpha_ptr + h)
+    bias = tl.load(bias_ptr + h)
+    gamma = tl.load(gamma_ptr + h)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    sum_dz_s = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    sum_dz = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    sum_dw_e = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    qpos = offs_m + past
+    hi = tl.minimum(N, past + (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale                    # [M, N]
+        visible = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
+        if HAS_MASK:
+            keep = tl.load(mask_ptr + b * stride_mb + offs_n, mask=n_ok, other=0)
+            visible = visible & (keep != 0)[None, :]
+        z = alpha * s + bias
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        dw = tl.where(visible, (dp - delta[:, None]) * rden[:, None], 0.0)
+        dz = dw * (gamma * 0.5641895835477563) * tl.exp(-z * z)                          # γ/√π·e^(−z²)
+        dq += tl.dot((dz * alpha).to(k.dtype), k, input_precision=PRECISION)
+        sum_dz_s += tl.sum(dz * s, axis=1)
+        sum_dz += tl.sum(dz, axis=1)
+        sum_dw_e += tl.sum(dw * _erf_plus_one_half(z), axis=1)
+
+    part = part_ptr + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * 3
+    tl.store(part, tl.sum(sum_dz_s, axis=0))
+    tl.store(part + 1, tl.sum(sum_dz, axis=0))
+    tl.store(part + 2, tl.sum(sum_dw_e, axis=0))
+    dq = dq * scale
+    tl.store(dq_ptr + b * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+             dq.to(dq_ptr.dtype.element_ty), mask=qd_mask)
+
+
+# ----------------------------------------------------------------------------
+# Attention launch glue
+# ----------------------------------------------------------------------------
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """Kernels take every stride but the last; make the last one 1."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _mask_args(key_mask: torch.Tensor | None):
+    if key_mask is None:
+        return None, 0
+    return key_mask, key_mask.stride(0)
+
+
+@triton_op("laminae::derf_attention", mutates_args=())
+def derf_attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    derf_alpha: torch.Tensor, derf_bias: torch.Tensor, derf_gamma: torch.Tensor,
+    key_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DERF attention forward: ``(out [B, S, H, D], den [B, H, S] fp32)``.
+
+    Inputs as :func:`derf_attention`, except that the parameters are fp32 and
+    ``key_mask`` is a uint8 ``(B, N)`` tensor (or None)."""
+    q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+    B, S, H, D = q.shape
+    N, kv_heads = k.shape[1], k.shape[2]
+    block_d = _block_d(D)
+    block_m, block_n, warps, stages = _tiles("fwd", q.dtype, block_d)
+    out = empty((B, S, H, D), dtype=q.dtype, device=q.device)
+    den = empty((B, H, S), dtype=torch.float32, device=q.device)
+    mask, stride_mb = _mask_args(key_mask)
+    grid = (triton.cdiv(S, block_m), B * H)
+    wrap_triton(_derf_fwd_kernel)[grid](
+        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, out, den,
+        S, N, H, H // kv_heads, D, 1.0 / math.sqrt(D),
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), stride_mb,
+        HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+    )
+    return out, den
+
+
+@triton_op("laminae::derf_attention_bwd", mutates_args=())
+def _derf_attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    den: torch.Tensor, derf_alpha: torch.Tensor, derf_bias: torch.Tensor, derf_gamma: torch.Tensor,
+    key_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, dout = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(dout)
+    B, S, H, D = q.shape
+    N, kv_heads = k.shape[1], k.shape[2]
+    group = H // kv_heads
+    scale = 1.0 / math.sqrt(D)
+    block_d = _block_d(D)
+    precision = dot_precision(q.dtype)
+    mask, stride_mb = _mask_args(key_mask)
+    # O(S) row statistics: delta_i = dout_i·out_i and rden_i = 1/(den_i + eps), [B, H, S]
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    rden = 1.0 / (den + DERF_EPS)
+
+    dk = empty((B, N, kv_heads, D), dtype=k.dtype, device=k.device)
+    dv = empty((B, N, kv_heads, D), dtype=v.dtype, device=v.device)
+    block_m, block_n, warps, stages = _tiles("dkdv", q.dtype, block_d)
+    wrap_triton(_derf_bwd_dkdv_kernel)[(triton.cdiv(N, block_n), B * kv_heads)](
+        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, rden, dk, dv,
+        S, N, H, group, D, scale,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv), stride_mb,
+        HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=precision, num_warps=warps, num_stages=stages,
+    )
+
+    dq = empty((B, S, H, D), dtype=q.dtype, device=q.device)
+    block_m, block_n, warps, stages = _tiles("dq", q.dtype, block_d)
+    query_blocks = triton.cdiv(S, block_m)
+    partials = empty((B, H, query_blocks, 3), dtype=torch.float32, device=q.device)
+    wrap_triton(_derf_bwd_dq_kernel)[(query_blocks, B * H)](
+        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, rden, dq, partials,
+        S, N, H, group, D, scale,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dq), stride_mb,
+        HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=precision, num_warps=warps, num_stages=stages,
+    )
+    # [B, H, query_blocks, 3] -> [H, 3]: columns dα, db, dγ
+    dparams = partials.sum(dim=(0, 2))
+    return dq, dk, dv, dparams
+
+
+def _attn_setup_context(ctx, inputs, output):
+    q, k, v, alpha, bias, gamma, key_mask = inputs
+    out, den = output
+    ctx.mark_non_differentiable(den)
+    ctx.save_for_backward(q, k, v, out, den, alpha, bias, gamma, key_mask)
+
+
+def _attn_backward(ctx, dout, _dden):
+    q, k, v, out, den, alpha, bias, gamma, key_mask = ctx.saved_tensors
+    dq, dk, dv, dparams = _derf_attention_bwd(dout, q, k, v, out, den, alpha, bias, gamma, key_mask)
+    return dq, dk, dv, dparams[:, 0], dparams[:, 1], dparams[:, 2], None
+
+
+derf_attention_op.register_autograd(_attn_backward, setup_context=_attn_setup_context)
+
+
+def derf_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    derf_alpha: torch.Tensor,
+    derf_bias: torch.Tensor,
+    derf_gamma: torch.Tensor,
+    key_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton DERF attention, the signature of
+    :func:`laminae.primitives.derf.derf_attention_reference` (without ``upcast``).
+
+    ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` (N ≥ S, H % H_kv == 0,
+    D ≤ 256), fp32/bf16/fp16, one dtype; ``derf_*`` ``[H]`` (any float dtype; the
+    kernel computes in fp32); ``key_mask`` optional ``(B, N)`` 0/1 or bool keep mask.
+    Returns ``[B, S, H, D]`` in the dtype of ``q``. Strided views (e.g. a slice of a
+    preallocated cache) are read in place as long as the last dim is contiguous.
+
+    Example::
+
+        out = derf_attention(q, k, v, attn.derf_alpha, attn.derf_bias, attn.derf_gamma, key_mask=keep)
+    """
+    check_derf_attention_inputs(q, k, v, derf_alpha, derf_bias, derf_gamma, key_mask)
+    return launch_derf_attention(q, k, v, derf_alpha, derf_bias, derf_gamma, key_mask)
+
+
+def launch_derf_attention(q, k, v, derf_alpha, derf_bias, derf_gamma, key_mask=None) -> torch.Tensor:
+    """:func:`derf_attention` for inputs already validated (``DERFAttention`` checks them)."""
+    if q.dtype not in _SUPPORTED:
+        raise DTypeError(f"Triton DERF attention supports fp32/bf16/fp16 inputs, got {q.dtype}")
+    if q.shape[-1] > MAX_HEAD_DIM:
+        raise ShapeError(f"Triton DERF attention supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}; "
+                         "use backend='reference' for wider heads")
+    mask = None if key_mask is None else key_mask.ne(0).to(torch.uint8)
+    out, _ = derf_attention_op(q, k, v, derf_alpha.float(), derf_bias.float(), derf_gamma.float(), mask)
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Context gate kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _gate_fwd_kernel(r_ptr, l_ptr, alpha_ptr, bias_ptr, gamma_ptr, out_ptr, R, F,
+                     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < F
+    mask = (rows < R)[:, None] & col_ok[None, :]
+    offs = rows[:, None] * F + cols[None, :]
+    alpha = tl.load(alpha_ptr + cols, mask=col_ok, other=0.0)
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)
+    gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0)
+    r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    logit = tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = gamma[None, :] * _erf_plus_one_half(alpha[None, :] * logit + bias[None, :])
+    tl.store(out_ptr + offs, (r * gate).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gate_bwd_kernel(g_ptr, r_ptr, l_ptr, alpha_ptr, bias_ptr, gamma_ptr, dr_ptr, dl_ptr, part_ptr, R, F,
+                     BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr):
+    # persistent over row blocks (stride = number of programs on axis 0), so each
+    # program leaves one partial column sum per parameter
+    pid_p = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    num_p = tl.num_programs(0)
+    cols = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    col_ok = cols < F
+    alpha = tl.load(alpha_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    sum_alpha = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    sum_bias = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    sum_gamma = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    for rb in range(pid_p, tl.cdiv(R, BLOCK_R), num_p):
+        rows = (rb * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        mask = (rows < R)[:, None] & col_ok[None, :]
+        offs = rows[:, None] * F + cols[None, :]
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        logit = tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = alpha * logit + bias
+        e_half = _erf_plus_one_half(z)
+        gr = g * r
+        dz = gr * gamma * 0.5641895835477563 * tl.exp(-z * z)
+        tl.store(dr_ptr + offs, (g * gamma * e_half).to(dr_ptr.dtype.element_ty), mask=mask)
+        tl.store(dl_ptr + offs, (dz * alpha).to(dl_ptr.dtype.element_ty), mask=mask)
+        sum_alpha += tl.sum(dz * logit, axis=0)
+        sum_bias += tl.sum(dz, axis=0)
+        sum_gamma += tl.sum(gr * e_half, axis=0)
+    part = part_ptr + pid_p.to(tl.int64) * 3 * F + cols
+    tl.store(part, sum_alpha, mask=col_ok)
+    tl.store(part + F, sum_bias, mask=col_ok)
+    tl.store(part + 2 * F, sum_gamma, mask=col_ok)
+
+
+@triton_op("laminae::derf_context_gate", mutates_args=())
+def derf_context_gate_op(retrieved: torch.Tensor, logits: torch.Tensor, alpha: torch.Tensor,
+                         bias: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """Gate over contiguous ``[rows, F]`` ``retrieved``/``logits`` (one dtype), fp32 ``[F]`` parameters."""
+    rows, feats = retrieved.shape
+    out = empty_like(retrieved)
+    grid = (triton.cdiv(rows, GATE_BLOCK_R), triton.cdiv(feats, GATE_BLOCK_F))
+    wrap_triton(_gate_fwd_kernel)[grid](retrieved, logits, alpha, bias, gamma, out, rows, feats,
+                                        BLOCK_R=GATE_BLOCK_R, BLOCK_F=GATE_BLOCK_F, num_warps=GATE_WARPS)
+    return out
+
+
+@triton_op("laminae::derf_context_gate_bwd", mutates_args=())
+def _derf_context_gate_bwd(g: torch.Tensor, retrieved: torch.Tensor, logits: torch.Tensor, alpha: torch.Tensor,
+                           bias: torch.Tensor, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, feats = retrieved.shape
+    programs = num_programs_for_rows(triton.cdiv(rows, GATE_BLOCK_R), retrieved.device)
+    dr = empty_like(retrieved)
+    dl = empty_like(logits)
+    partials = empty((programs, 3, feats), dtype=torch.float32, device=retrieved.device)
+    wrap_triton(_gate_bwd_kernel)[(programs, triton.cdiv(feats, GATE_BLOCK_F))](
+        g, retrieved, logits, alpha, bias, gamma, dr, dl, partials, rows, feats,
+        BLOCK_R=GATE_BLOCK_R, BLOCK_F=GATE_BLOCK_F, num_warps=GATE_WARPS)
+    return dr, dl, partials.sum(0)
+
+
+def _gate_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _gate_backward(ctx, g):
+    retrieved, logits, alpha, bias, gamma = ctx.saved_tensors
+    dr, dl, dparams = _derf_context_gate_bwd(g.contiguous(), retrieved, logits, alpha, bias, gamma)
+    return dr, dl, dparams[0], dparams[1], dparams[2]
+
+
+derf_context_gate_op.register_autograd(_gate_backward, setup_context=_gate_setup_context)
+
+
+def derf_context_gate(retrieved: torch.Tensor, logits: torch.Tensor, alpha: torch.Tensor,
+                      bias: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """Triton DERF context gate, the signature of
+    :func:`laminae.primitives.derf.derf_context_gate_reference` (without ``upcast``).
+
+    ``retrieved``, ``logits``: ``[..., F]`` fp32/bf16/fp16 (``logits`` is cast to the
+    dtype of ``retrieved``); ``alpha``, ``bias``, ``gamma``: ``[F]``. Returns
+    ``retrieved · γ·(erf(α·logits + b) + 1)/2`` in the dtype of ``retrieved``.
+    """
+    if retrieved.dtype not in _SUPPORTED:
+        raise DTypeError(f"Triton DERF context gate supports fp32/bf16/fp16 inputs, got {retrieved.dtype}")
+    if logits.shape != retrieved.shape or retrieved.dim() == 0:
+        raise ShapeError(f"`logits` must have the shape of `retrieved` {tuple(retrieved.shape)}, "
+                         f"got {tuple(logits.shape)}")
+    feats = retrieved.shape[-1]
+    for name, p in (("alpha", alpha), ("bias", bias), ("gamma", gamma)):
+        if p.shape != (feats,):
+            raise ShapeError(f"`{name}` must have shape ({feats},), got {tuple(p.shape)}")
+    shape = retrieved.shape
+    r2 = retrieved.reshape(-1, feats).contiguous()
+    l2 = logits.to(retrieved.dtype).reshape(-1, feats).contiguous()
+    out = derf_context_gate_op(r2, l2, alpha.float().contiguous(), bias.float().contiguous(),
+                               gamma.float().contiguous())
+    return out.reshape(shape)
+
+
+# ----------------------------------------------------------------------------
+# Launch configurations, for the static sm_90 check
+# ----------------------------------------------------------------------------
+
+
+def _attn_signature(kernel_kind: str, dt: str) -> dict[str, str]:
+    p = f"*{dt}"
+    f32 = "*fp32"
+    ptrs = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*u8", alpha_ptr=f32, bias_ptr=f32, gamma_ptr=f32)
+    if kernel_kind == "fwd":
+        ptrs.update(out_ptr=p, den_ptr=f32)
+        tensors = ("q", "k", "v", "o")
+    elif kernel_kind == "dkdv":
+        ptrs.update(do_ptr=p, delta_ptr=f32, rden_ptr=f32, dk_ptr=p, dv_ptr=p)
+        tensors = ("q", "k", "v", "do", "dk", "dv")
+    else:
+        ptrs.update(do_ptr=p, delta_ptr=f32, rden_ptr=f32, dq_ptr=p, part_ptr=f32)
+        tensors = ("q", "k", "v", "do", "dq")
+    sig = dict(ptrs, S="i32", N="i32", H="i32", GROUP="i32", D="i32", scale="fp32")
+    for t in tensors:
+        axes = ("b", "n", "h") if t in ("k", "v", "dk", "dv") else ("b", "s", "h")
+        for ax in axes:
+            sig[f"stride_{t}{ax}"] = "i32"
+    sig["stride_mb"] = "i32"
+    return sig
+
+
+def static_cases() -> Iterator[StaticCase]:
+    kernels = (("derf_fwd", _derf_fwd_kernel, "fwd"), ("derf_bwd_dkdv", _derf_bwd_dkdv_kernel, "dkdv"),
+               ("derf_bwd_dq", _derf_bwd_dq_kernel, "dq"))
+    for dtype in _SUPPORTED:
+        dt = triton_dtype(dtype)
+        for name, kernel, kind in kernels:
+            for block_d in TILES[(kind, "fp32")]:
+                block_m, block_n, warps, stages = _tiles(kind, dtype, block_d)
+                for has_mask in (False, True):
+                    const = dict(HAS_MASK=has_mask, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+                                 PRECISION=dot_precision(dtype))
+                    yield StaticCase(name, kernel, _attn_signature(kind, dt), const, warps, stages,
+                                     tags={"dtype": dt})
+        p = f"*{dt}"
+        const = dict(BLOCK_R=GATE_BLOCK_R, BLOCK_F=GATE_BLOCK_F)
+        yield StaticCase("derf_gate_fwd", _gate_fwd_kernel,
+                         dict(r_ptr=p, l_ptr=p, alpha_ptr="*fp32", bias_ptr="*fp32", gamma_ptr="*fp32", out_ptr=p,
+                              R="i32", F="i32"), const, GATE_WARPS, tags={"dtype": dt})
+        yield StaticCase("derf_gate_bwd", _gate_bwd_kernel,
+                         dict(g_ptr=p, r_ptr=p, l_ptr=p, alpha_ptr="*fp32", bias_ptr="*fp32", gamma_ptr="*fp32",
+                              dr_ptr=p, dl_ptr=p, part_ptr="*fp32", R="i32", F="i32"),
+                         const, GATE_WARPS, tags={"dtype": dt})
+
+
+# ----------------------------------------------------------------------------
+# Tour
+# ----------------------------------------------------------------------------
+
+
+def tour_case(device: torch.device):
+    from laminae.primitives.derf import derf_attention_reference, derf_context_gate_reference
+
+    from .tour import TourCase
+
+    gen = torch.Generator().manual_seed(0)
+    B, S, H, kv_heads, D = 2, 64, 4, 2, 32
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[1, :9] = False          # left padding on the second row
+    keep[0, 50:53] = False       # and a hole in the first
+    attn = {
+        "q": torch.randn(B, S, H, D, generator=gen).to(device),
+        "k": torch.randn(B, S, kv_heads, D, generator=gen).to(device),
+        "v": torch.randn(B, S, kv_heads, D, generator=gen).to(device),
+        "derf_alpha": (1.0 + 0.5 * torch.randn(H, generator=gen)).to(device),
+        "derf_bias": (0.3 * torch.randn(H, generator=gen)).to(device),
+        "derf_gamma": (1.0 + 0.2 * torch.randn(H, generator=gen)).to(device),
+        "key_mask": keep.to(device),
+    }
+    rows, feats = 2 * 64, 256
+    gate = {
+        "retrieved": torch.randn(rows, feats, generator=gen).to(device),
+        "logits": (2.0 * torch.randn(rows, feats, generator=gen)).to(device),
+        "alpha": (1.0 + 0.3 * torch.randn(feats, generator=gen)).to(device),
+        "bias": (-1.0 + torch.randn(feats, generator=gen)).to(device),
+        "gamma": (1.0 + 0.2 * torch.randn(feats, generator=gen)).to(device),
+    }
+    return [
+        TourCase(f"derf attention (B={B}, S=N={S}, H={H}/{kv_heads}, D={D}, ragged mask)", derf_attention,
+                 derf_attention_reference, attn, [n for n in attn if n != "key_mask"]),
+        TourCase(f"derf context gate ({rows}x{feats})", derf_context_gate, derf_context_gate_reference, gate,
+                 list(gate)),
+    ]
