@@ -11,7 +11,20 @@ first kernel is defined.
 from importlib import import_module
 
 _EXPORTS = {
+    "affine_scaled_attention": "affine_scaled_attention",
+    "derf_attention": "derf",
+    "derf_context_gate": "derf",
+    "elo_attention": "elo_attention",
+    "engram_fusion": "engram",
+    "engram_fusion_gate": "engram",
+    "engram_lookup": "engram",
+    "flash_attention": "_flash",
     "laurel": "laurel",
+    "lucid_attention": "lucid_attention",
+    "memory_caching": "memory_caching",
+    "mom_read": "mom_read",
+    "siamese_boundary": "siamese_norm",
+    "xsa": "xsa",
 }
 
 __all__ = sorted(_EXPORTS)

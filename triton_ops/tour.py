@@ -25,6 +25,13 @@ MECHANISMS = [
     "laurel",
     "siamese_norm",
     "derf",
+    "xsa",
+    "affine_scaled_attention",
+    "elo_attention",
+    "lucid_attention",
+    "engram",
+    "memory_caching",
+    "mom_read",
 ]
 
 
