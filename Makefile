@@ -18,6 +18,7 @@ test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests
 
 bench: setup
+	mkdir -p bench/results
 	$(PY) -m pytest -q bench --benchmark-json=bench/results/latest.json
 
 report: setup
