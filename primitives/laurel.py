@@ -87,6 +87,8 @@ class LAuReL(nn.Module):
         rw_init: initial (α̃, β̃). Default (0, 0) → α_s = β_s = 0.5; (0, 2) gives a
             near-identity start (β_s ≈ 0.88).
         backend: "auto" | "triton" | "reference".
+        check_finite: raise if the RW logits are not finite. ``None`` (default) checks
+            on CPU only, since on a GPU the check synchronises the device every call.
 
     Shapes: ``f`` and ``x`` are ``[..., D]`` (typically ``[batch, seq, D]``), fp32/bf16/fp16.
 
@@ -104,6 +106,7 @@ class LAuReL(nn.Module):
         lr_rank: int = 32,
         rw_init: tuple[float, float] = (0.0, 0.0),
         backend: Backend = "auto",
+        check_finite: bool | None = None,
     ) -> None:
         super().__init__()
         check_positive_int("hidden_size", hidden_size)
@@ -121,6 +124,7 @@ class LAuReL(nn.Module):
         self.hidden_size, self.use_rw, self.use_lr = hidden_size, use_rw, use_lr
         self.lr_rank = lr_rank if use_lr else 0
         self.backend = backend
+        self.check_finite = check_finite
         if use_rw:
             self.alpha_logit = nn.Parameter(torch.tensor(float(rw_init[0])))
             self.beta_logit = nn.Parameter(torch.tensor(float(rw_init[1])))
@@ -148,7 +152,10 @@ class LAuReL(nn.Module):
         check_same_dtype(f=f, x=x)
         check_same_device(f=f, x=x, weight=next(self.parameters()))
         params = self._params()
-        if self.use_rw and not torch.compiler.is_compiling():
+        # Reading the logits' finiteness on a GPU is a device sync per call; there it
+        # runs only when asked for (check_finite=True), on CPU always.
+        check = self.check_finite if self.check_finite is not None else params[0] is not None and params[0].device.type == "cpu"
+        if self.use_rw and check and not torch.compiler.is_compiling():
             if not bool(torch.isfinite(torch.stack([params[0], params[1]])).all()):
                 raise ValueError("LAuReL `alpha_logit`/`beta_logit` are not finite")
         if resolve_backend(self.backend, f, x) == "triton":
