@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._attention import visible_keys
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ._validation import (
     FLOAT_DTYPES,
@@ -65,15 +66,6 @@ def affine_alpha(x: torch.Tensor, weight: torch.Tensor, activation: str = "linea
     return torch.clamp(0.1 * u + 0.5, 0.0, 1.0)
 
 
-def _visibility(S: int, N: int, key_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """[B or 1, S, N] bool: query i (absolute position N − S + i) sees key j."""
-    qpos = torch.arange(S, device=device)[:, None] + (N - S)
-    visible = (torch.arange(N, device=device)[None, :] <= qpos)[None]
-    if key_mask is not None:
-        visible = visible & key_mask.to(device).bool()[:, None, :]
-    return visible
-
-
 def affine_scaled_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -105,7 +97,7 @@ def affine_scaled_attention_reference(
     kc = k.to(compute).repeat_interleave(group, dim=2)
     vc = v.to(compute).repeat_interleave(group, dim=2)
     scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
-    visible = _visibility(S, N, key_mask, q.device)[:, None]          # [B|1, 1, S, N]
+    visible = visible_keys(S, N, key_mask, q.device)                  # [B|1, 1, S, N]
     any_visible = visible.any(-1, keepdim=True)
     # rows with no visible key get finite scores so softmax stays NaN-free; they are zeroed below
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)

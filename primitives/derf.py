@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._attention import visible_keys
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ._validation import (
     FLOAT_DTYPES,
@@ -67,12 +68,6 @@ def _erf_plus_one_half(z: torch.Tensor) -> torch.Tensor:
     exactly), so erf(z) + 1 keeps at most a bit or two of its value. A DERF row
     whose weights all sit there would be normalised noise."""
     return torch.special.erfc(-z) / 2.0
-
-
-def _causal_visible(queries: int, keys: int, device: torch.device) -> torch.Tensor:
-    """[S, N] bool: query i (absolute position N − S + i) sees key j ≤ N − S + i."""
-    qpos = torch.arange(queries, device=device)[:, None] + (keys - queries)
-    return torch.arange(keys, device=device)[None, :] <= qpos
 
 
 def derf_attention_reference(
@@ -119,9 +114,7 @@ def derf_attention_reference(
     bias = derf_bias.to(compute).view(1, H, 1, 1)
     gamma = derf_gamma.to(compute).view(1, H, 1, 1)
     weights = gamma * _erf_plus_one_half(alpha * scores + bias)
-    visible = _causal_visible(S, N, q.device)[None, None]
-    if key_mask is not None:
-        visible = visible & key_mask.to(device=q.device).bool()[:, None, None, :]
+    visible = visible_keys(S, N, key_mask, q.device)
     weights = torch.where(visible, weights, torch.zeros((), dtype=compute, device=q.device))
     weights = weights / (weights.sum(dim=-1, keepdim=True) + DERF_EPS)
     out = torch.einsum("bhsn,bnhd->bshd", weights, vc)

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._attention import visible_keys
 from ._errors import ConfigError, ShapeError
 from ._validation import (
     check_keep_mask,
@@ -128,15 +129,6 @@ def full_prior(prior_rating: torch.Tensor | None, batch: int, heads: int, keys: 
     if prior.shape[2] < keys:
         prior = F.pad(prior, (0, keys - prior.shape[2]))
     return prior
-
-
-def visible_keys(S: int, N: int, key_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """``[B or 1, 1, S, N]`` bool: query i (at position N − S + i) sees key j."""
-    rows = torch.arange(S, device=device)[:, None] + (N - S)
-    visible = (torch.arange(N, device=device)[None, :] <= rows)[None, None]
-    if key_mask is not None:
-        visible = visible & key_mask.to(device).bool()[:, None, None, :]
-    return visible
 
 
 def _masked_softmax(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

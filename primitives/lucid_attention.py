@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._attention import visible_keys
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ._validation import check_keep_mask, check_positive_int, check_same_device, check_same_dtype, check_tensor
 
@@ -153,10 +154,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, values: torch.Tensor,
     kc = k.repeat_interleave(group, dim=2)
     vc = values.repeat_interleave(group, dim=2)
     scores = torch.einsum("bshd,bnhd->bhsn", q, kc) / math.sqrt(dim)
-    visible = (torch.arange(n_len, device=q.device)[None, :]
-               <= torch.arange(s_len, device=q.device)[:, None] + (n_len - s_len))[None, None]
-    if key_mask is not None:
-        visible = visible & key_mask.to(q.device).bool()[:, None, None, :]
+    visible = visible_keys(s_len, n_len, key_mask, q.device)
     any_visible = visible.any(-1, keepdim=True)
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)
     p = torch.softmax(scores, dim=-1).masked_fill(~visible, 0.0)
