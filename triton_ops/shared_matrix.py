@@ -37,17 +37,23 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 DTYPE_PAIRS = ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                (torch.bfloat16, torch.float32), (torch.float16, torch.float32))
 
-# Matmul-shaped tiles for Hopper's wgmma: 64 rows per warpgroup. Decode-sized inputs
-# (M <= 64) take the 64-row tile so a single token does not pay for 128 rows.
+# Launch tiles (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), sized for Hopper's
+# wgmma (64 rows per warpgroup) and for the register cost of the on-chip combine: two
+# weight tiles and their fp32 sum live next to the accumulator, so 8 warps share them.
+# Decode-sized inputs (M <= 64) take a 64-row tile so one token does not pay for 128.
+# fp32 activations use exact ("ieee") products, which are not tensor-core shaped: a
+# smaller tile keeps them free of spills.
 SMALL_M = 64
-BLOCK_N = 128
-BLOCK_K = {torch.float32: 32, torch.bfloat16: 64, torch.float16: 64}
-TILES = {  # name -> (BLOCK_M, num_warps, num_stages)
-    "small_m": (64, 4, 3),
-    "large_m": (128, 8, 3),
+TILES = {
+    "16bit": {"small_m": (64, 128, 32, 8, 3), "large_m": (128, 64, 32, 8, 3)},
+    "fp32": {"any_m": (64, 64, 16, 8, 2)},
 }
-# dW: an output tile of [128 rows of W, 64 columns of W], M streamed in 64-row chunks.
-DW_BLOCK_R, DW_BLOCK_C, DW_BLOCK_M, DW_WARPS, DW_STAGES = 128, 64, 64, 8, 3
+# dW: an output tile of [BLOCK_R rows, BLOCK_C columns] of W, M streamed in BLOCK_M chunks.
+DW_TILES = {"16bit": (128, 64, 64, 8, 3), "fp32": (64, 64, 32, 8, 2)}
+
+
+def _dtype_class(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16bit"
 
 
 @triton.jit
@@ -88,10 +94,10 @@ def _shared_matrix_fwd_kernel(x_ptr, w0_ptr, d_ptr, scale_ptr, keep_ptr, y_ptr,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < C
         x = tl.load(x_ptr + offs_m[:, None] * C + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        # [BLOCK_K, BLOCK_N] tile of W_τᵀ, read in place from the full-size tensors
-        w = _tier_weight(w0_ptr, d_ptr, offs_k[:, None] + offs_n[None, :] * stride_w,
-                         k_mask[:, None] & n_mask[None, :], a, b, alpha, SPLIT)
-        acc = tl.dot(x, w.to(x.dtype), acc, input_precision=PRECISION)
+        # [BLOCK_N, BLOCK_K] tile of W_τ read in place (rows contiguous), transposed on chip
+        w = _tier_weight(w0_ptr, d_ptr, offs_n[:, None] * stride_w + offs_k[None, :],
+                         n_mask[:, None] & k_mask[None, :], a, b, alpha, SPLIT)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=PRECISION)
     # The reference rounds the matmul output before dividing by e.
     y = (acc.to(y_ptr.dtype.element_ty).to(tl.float32) / divisor).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs_m[:, None] * R + offs_n[None, :], y, mask=(offs_m < M)[:, None] & n_mask[None, :])
@@ -162,8 +168,11 @@ def _shared_matrix_dw_kernel(dy_ptr, x_ptr, w0_ptr, d_ptr, scale_ptr, keep_ptr, 
 # Launch helpers
 # ----------------------------------------------------------------------------
 
-def _tile(m: int) -> tuple[int, int, int]:
-    return TILES["small_m" if m <= SMALL_M else "large_m"]
+def _tile(m: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
+    tiles = TILES[_dtype_class(dtype)]
+    if len(tiles) == 1:
+        return next(iter(tiles.values()))
+    return tiles["small_m" if m <= SMALL_M else "large_m"]
 
 
 def _placeholder(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -192,11 +201,11 @@ def shared_matrix_linear(x: torch.Tensor, weight: torch.Tensor, delta: torch.Ten
     if m == 0:
         return y
     d, s, k, has_scale, has_keep = _flags(weight, delta, scale, keep)
-    block_m, warps, stages = _tile(m)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(rows, BLOCK_N))
+    block_m, block_n, block_k, warps, stages = _tile(m, x.dtype)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(rows, block_n))
     wrap_triton(_shared_matrix_fwd_kernel)[grid](
         x, weight, d, s, k, y, m, rows, cols, weight.stride(0), a, b, divisor, has_scale, has_keep,
-        SPLIT=delta is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K[x.dtype],
+        SPLIT=delta is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
     )
     return y
@@ -211,11 +220,11 @@ def _shared_matrix_linear_dx(dy: torch.Tensor, weight: torch.Tensor, delta: torc
     if m == 0:
         return dx
     d, s, k, has_scale, has_keep = _flags(weight, delta, scale, keep)
-    block_m, warps, stages = _tile(m)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(cols, BLOCK_N))
+    block_m, block_n, block_k, warps, stages = _tile(m, dy.dtype)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(cols, block_n))
     wrap_triton(_shared_matrix_dx_kernel)[grid](
         dy, weight, d, s, k, dx, m, rows, cols, weight.stride(0), a, b, divisor, has_scale, has_keep,
-        SPLIT=delta is not None, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K[dy.dtype],
+        SPLIT=delta is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION=dot_precision(dy.dtype), num_warps=warps, num_stages=stages,
     )
     return dx
@@ -229,7 +238,8 @@ def _shared_matrix_linear_dw(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
     """Full-size gradients of ``weight`` and ``delta`` (zero outside the block; empty when
     not wanted) and the per-tile partial sums of dσ (empty without a scale)."""
     m = x.shape[0]
-    grid = (triton.cdiv(rows, DW_BLOCK_R), triton.cdiv(cols, DW_BLOCK_C))
+    block_r, block_c, block_m, warps, stages = DW_TILES[_dtype_class(x.dtype)]
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     # Outside the tier block the gradient is exactly zero: the kernel writes the block only.
     dw0 = torch.zeros_like(weight) if want_weight else _placeholder(weight, weight.dtype)
     dd = torch.zeros_like(weight) if want_delta and delta is not None else _placeholder(weight, weight.dtype)
@@ -242,8 +252,8 @@ def _shared_matrix_linear_dw(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
     wrap_triton(_shared_matrix_dw_kernel)[grid](
         dy, x, weight, d, s, k, dw0, dd, parts, m, rows, cols, weight.stride(0), a, b, divisor,
         has_scale, has_keep, int(want_weight), int(want_delta and delta is not None),
-        SPLIT=delta is not None, BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, BLOCK_M=DW_BLOCK_M,
-        PRECISION=dot_precision(x.dtype), num_warps=DW_WARPS, num_stages=DW_STAGES,
+        SPLIT=delta is not None, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_M=block_m,
+        PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
     )
     return dw0, dd, parts
 
@@ -319,21 +329,22 @@ def static_cases() -> Iterator[StaticCase]:
                        has_scale="i32", has_keep="i32")
         params = dict(w0_ptr=f"*{pt}", d_ptr=f"*{pt}", scale_ptr=f"*{pt}", keep_ptr="*i1")
         tags = {"x": xt, "weights": pt}
+        cls = _dtype_class(x_dtype)
         for split in (True, False):
-            for tile, (block_m, warps, stages) in TILES.items():
-                const = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K[x_dtype],
-                             PRECISION=precision)
+            for tile, (block_m, block_n, block_k, warps, stages) in TILES[cls].items():
+                const = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
                 yield StaticCase("shared_matrix_fwd", _shared_matrix_fwd_kernel,
                                  dict(x_ptr=f"*{xt}", **params, y_ptr=f"*{xt}", **scalars),
                                  const, warps, stages, tags=tags | {"tile": tile})
                 yield StaticCase("shared_matrix_dx", _shared_matrix_dx_kernel,
                                  dict(dy_ptr=f"*{xt}", **params, dx_ptr=f"*{xt}", **scalars),
                                  const, warps, stages, tags=tags | {"tile": tile})
+            block_r, block_c, block_m, warps, stages = DW_TILES[cls]
             yield StaticCase("shared_matrix_dw", _shared_matrix_dw_kernel,
                              dict(dy_ptr=f"*{xt}", x_ptr=f"*{xt}", **params, dw0_ptr=f"*{pt}", dd_ptr=f"*{pt}",
                                   part_ptr="*fp32", **scalars, want_w0="i32", want_delta="i32"),
-                             dict(SPLIT=split, BLOCK_R=DW_BLOCK_R, BLOCK_C=DW_BLOCK_C, BLOCK_M=DW_BLOCK_M,
-                                  PRECISION=precision), DW_WARPS, DW_STAGES, tags=tags)
+                             dict(SPLIT=split, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_M=block_m,
+                                  PRECISION=precision), warps, stages, tags=tags)
 
 
 def tour_case(device: torch.device):
