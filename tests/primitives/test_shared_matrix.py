@@ -358,8 +358,8 @@ def test_bad_inputs_raise_named_errors():
 
 def test_module_errors():
     m = SharedMatrix(12, 10)
-    with pytest.raises(DTypeError, match="parameter dtype torch.float32 outside autocast"):
-        m(torch.randn(2, 10, dtype=torch.float64))
+    with pytest.raises(DTypeError, match="parameter dtype torch.float32 outside autocast, got torch.bfloat16"):
+        m(torch.randn(2, 10, dtype=torch.bfloat16))
     with pytest.raises(ShapeError, match="0-dim"):
         m(torch.tensor(1.0))
     with pytest.raises(ConfigError, match="unsplit SharedMatrix"):
