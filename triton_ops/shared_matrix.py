@@ -9,10 +9,12 @@ a tensor-core ``tl.dot`` with fp32 accumulation.
 Forward  y  [M, R]: grid (M/BM, R/BN), K loop over C.
 dx       dx [M, C] = (dy/e) · W':  grid (M/BM, C/BN), K loop over R, the same
          on-the-fly combine (W' rows are W's rows: no transpose in memory).
-dW       G  [R, C] = (dy/e)ᵀ · x:  grid (R/BN, C/BK), K loop over M; the epilogue
+dW       G  [R, C] = (dy/e)ᵀ · x:  grid (R/BN, C/BK, splits of M), K loop over M; the epilogue
          writes σ·b·G into d delta (σ·a·G into d init only when init is trainable),
          leaving the rest of the full-size gradient at zero, and, when σ is a
          learned scale, per-tile partial sums of G ⊙ W_τ for dσ (summed in torch).
+         A small block (few tiles) splits M across programs into an fp32 workspace
+         reduced in torch, so a 640×640 block still fills the GPU (deterministic).
 Saved for backward: x, the parameter tensors, the keep mask (no W_τ).
 """
 from __future__ import annotations
@@ -130,38 +132,54 @@ def _shared_matrix_dx_kernel(dy_ptr, w0_ptr, d_ptr, scale_ptr, keep_ptr, dx_ptr,
 
 
 @triton.jit
-def _shared_matrix_dw_kernel(dy_ptr, x_ptr, w0_ptr, d_ptr, scale_ptr, keep_ptr, dw0_ptr, dd_ptr, part_ptr,
+def _shared_matrix_dw_kernel(dy_ptr, x_ptr, w0_ptr, d_ptr, scale_ptr, keep_ptr, dw0_ptr, dd_ptr, part_ptr, ws_ptr,
                              M, R, C, stride_w, a, b, divisor, has_scale, has_keep, want_w0, want_delta,
+                             m_chunk, use_ws,
                              SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                              BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
-    offs_r = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = pid_c.to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
-    r_mask = offs_r < R
-    c_mask = offs_c < C
+    pid_s = tl.program_id(2)  # split of M (1 split unless the [R, C] block has too few tiles)
+    # int64 only in the scalar tile bases; in-tile offsets stay int32 (a [128, 64] int64
+    # offset tensor alone would take 64 registers per thread).
+    row0 = pid_r.to(tl.int64) * BLOCK_R
+    col0 = pid_c.to(tl.int64) * BLOCK_C
+    rr = tl.arange(0, BLOCK_R)
+    cc = tl.arange(0, BLOCK_C)
+    mm = tl.arange(0, BLOCK_M)
+    r_mask = row0 + rr < R
+    c_mask = col0 + cc < C
+    m_start = pid_s.to(tl.int64) * m_chunk
+    m_end = tl.minimum(M, m_start + m_chunk)
     acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
-    for m0 in range(0, M, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M).to(tl.int64)
+    for m0 in range(m_start, m_end, BLOCK_M):
         # padded rows contribute nothing, whatever x and dy hold there
-        m_mask = _row_mask(keep_ptr, offs_m, M, has_keep)
-        dy_t = tl.load(dy_ptr + offs_m[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & m_mask[None, :], other=0.0)
+        m_mask = _row_mask(keep_ptr, m0 + mm, m_end, has_keep)
+        dy_t = tl.load(dy_ptr + (m0 * R + row0) + (mm[None, :] * R + rr[:, None]),
+                       mask=r_mask[:, None] & m_mask[None, :], other=0.0)
         dy_t = (dy_t.to(tl.float32) / divisor).to(dy_ptr.dtype.element_ty)
-        x = tl.load(x_ptr + offs_m[:, None] * C + offs_c[None, :], mask=m_mask[:, None] & c_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + (m0 * C + col0) + (mm[:, None] * C + cc[None, :]),
+                    mask=m_mask[:, None] & c_mask[None, :], other=0.0)
         acc = tl.dot(dy_t, x, acc, input_precision=PRECISION)
     mask = r_mask[:, None] & c_mask[None, :]
-    offs_w = offs_r[:, None] * stride_w + offs_c[None, :]
+    w_base = row0 * stride_w + col0
+    local = rr[:, None] * stride_w + cc[None, :]
     alpha = tl.load(scale_ptr, mask=has_scale != 0, other=1.0).to(tl.float32)
     if has_scale != 0:
-        # dσ = Σ G ⊙ W_τ (the unscaled tier weight), one partial sum per tile
-        w = _tier_weight(w0_ptr, d_ptr, offs_w, mask, a, b, 1.0, SPLIT)
-        tl.store(part_ptr + pid_r * tl.num_programs(1) + pid_c, tl.sum(tl.sum(acc * w, axis=1), axis=0))
-    pdt = w0_ptr.dtype.element_ty
-    if SPLIT:
-        tl.store(dd_ptr + offs_w, (acc * (alpha * b)).to(pdt), mask=mask & (want_delta != 0))
-        tl.store(dw0_ptr + offs_w, (acc * (alpha * a)).to(pdt), mask=mask & (want_w0 != 0))
+        # dσ = Σ G ⊙ W_τ (the unscaled tier weight): one partial sum per tile and split
+        w = _tier_weight(w0_ptr + w_base, d_ptr + w_base, local, mask, a, b, 1.0, SPLIT)
+        tile = (pid_s * tl.num_programs(0) + pid_r) * tl.num_programs(1) + pid_c
+        tl.store(part_ptr + tile, tl.sum(tl.sum(acc * w, axis=1), axis=0))
+    if use_ws != 0:
+        # split M: raw fp32 partial G per split, reduced (and scaled) in torch
+        tl.store(ws_ptr + ((pid_s * R + row0) * C + col0) + (rr[:, None] * C + cc[None, :]), acc, mask=mask)
     else:
-        tl.store(dw0_ptr + offs_w, (acc * alpha).to(pdt), mask=mask & (want_w0 != 0))
+        pdt = w0_ptr.dtype.element_ty
+        if SPLIT:
+            tl.store(dd_ptr + w_base + local, (acc * (alpha * b)).to(pdt), mask=mask & (want_delta != 0))
+            tl.store(dw0_ptr + w_base + local, (acc * (alpha * a)).to(pdt), mask=mask & (want_w0 != 0))
+        else:
+            tl.store(dw0_ptr + w_base + local, (acc * alpha).to(pdt), mask=mask & (want_w0 != 0))
 
 
 # ----------------------------------------------------------------------------
@@ -230,6 +248,16 @@ def _shared_matrix_linear_dx(dy: torch.Tensor, weight: torch.Tensor, delta: torc
     return dx
 
 
+def _dw_splits(m: int, tiles: int, block_m: int, device: torch.device) -> tuple[int, int]:
+    """(splits, rows per split): split M when the [R, C] block alone has fewer tiles
+    than the device has room for (a 640×640 q_proj block is 50 tiles on 132 SMs);
+    each split keeps at least two BLOCK_M chunks."""
+    target = 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    splits = 1 if tiles >= target else max(1, min(triton.cdiv(target, tiles), triton.cdiv(m, 2 * block_m)))
+    chunk = triton.cdiv(triton.cdiv(m, splits), block_m) * block_m
+    return triton.cdiv(m, chunk), chunk
+
+
 @triton_op("laminae::shared_matrix_linear_dw", mutates_args=())
 def _shared_matrix_linear_dw(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None,
                              scale: torch.Tensor | None, keep: torch.Tensor | None,
@@ -239,22 +267,30 @@ def _shared_matrix_linear_dw(dy: torch.Tensor, x: torch.Tensor, weight: torch.Te
     not wanted) and the per-tile partial sums of dσ (empty without a scale)."""
     m = x.shape[0]
     block_r, block_c, block_m, warps, stages = DW_TILES[_dtype_class(x.dtype)]
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
+    tiles_r, tiles_c = triton.cdiv(rows, block_r), triton.cdiv(cols, block_c)
+    splits, chunk = _dw_splits(m, tiles_r * tiles_c, block_m, x.device) if m else (1, block_m)
+    want_delta = want_delta and delta is not None
     # Outside the tier block the gradient is exactly zero: the kernel writes the block only.
     dw0 = torch.zeros_like(weight) if want_weight else _placeholder(weight, weight.dtype)
-    dd = torch.zeros_like(weight) if want_delta and delta is not None else _placeholder(weight, weight.dtype)
-    parts = empty((grid[0] * grid[1] if scale is not None else 0,), dtype=torch.float32, device=x.device)
-    if scale is not None and m == 0:
-        parts.zero_()
+    dd = torch.zeros_like(weight) if want_delta else _placeholder(weight, weight.dtype)
+    parts = empty((splits * tiles_r * tiles_c if scale is not None else 0,), dtype=torch.float32, device=x.device)
     if m == 0:
-        return dw0, dd, parts
+        return dw0, dd, parts.zero_()
+    ws = empty((splits, rows, cols) if splits > 1 else (0,), dtype=torch.float32, device=x.device)
     d, s, k, has_scale, has_keep = _flags(weight, delta, scale, keep)
-    wrap_triton(_shared_matrix_dw_kernel)[grid](
-        dy, x, weight, d, s, k, dw0, dd, parts, m, rows, cols, weight.stride(0), a, b, divisor,
-        has_scale, has_keep, int(want_weight), int(want_delta and delta is not None),
+    wrap_triton(_shared_matrix_dw_kernel)[(tiles_r, tiles_c, splits)](
+        dy, x, weight, d, s, k, dw0, dd, parts, ws, m, rows, cols, weight.stride(0), a, b, divisor,
+        has_scale, has_keep, int(want_weight), int(want_delta), chunk, int(splits > 1),
         SPLIT=delta is not None, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_M=block_m,
         PRECISION=dot_precision(x.dtype), num_warps=warps, num_stages=stages,
     )
+    if splits > 1:
+        g = ws.sum(0)
+        alpha = scale.float() if scale is not None else 1.0
+        if want_delta:
+            dd[:rows, :cols] = (g * (alpha * b)).to(weight.dtype)
+        if want_weight:
+            dw0[:rows, :cols] = (g * (alpha * (a if delta is not None else 1.0))).to(weight.dtype)
     return dw0, dd, parts
 
 
@@ -342,7 +378,8 @@ def static_cases() -> Iterator[StaticCase]:
             block_r, block_c, block_m, warps, stages = DW_TILES[cls]
             yield StaticCase("shared_matrix_dw", _shared_matrix_dw_kernel,
                              dict(dy_ptr=f"*{xt}", x_ptr=f"*{xt}", **params, dw0_ptr=f"*{pt}", dd_ptr=f"*{pt}",
-                                  part_ptr="*fp32", **scalars, want_w0="i32", want_delta="i32"),
+                                  part_ptr="*fp32", ws_ptr="*fp32", **scalars, want_w0="i32", want_delta="i32",
+                                  m_chunk="i32", use_ws="i32"),
                              dict(SPLIT=split, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_M=block_m,
                                   PRECISION=precision), warps, stages, tags=tags)
 

@@ -61,6 +61,18 @@ def test_readout_scale_and_output_divisor():
     torch.testing.assert_close(y, expected)
 
 
+def test_upcast_gives_the_fp32_truth_in_the_input_dtype():
+    init, delta = _split(40, 30, dtype=torch.bfloat16)
+    x = torch.randn(5, 30).bfloat16()
+    args = dict(rows=40, cols=30, ratio=3.0, output_divisor=3.0)
+    truth = shared_matrix_reference(x, init, delta, upcast=True, **args)
+    fp32 = shared_matrix_reference(x.float(), init.float(), delta.float(), **args)
+    assert truth.dtype == torch.bfloat16
+    assert torch.equal(truth, fp32.bfloat16())
+    same_dtype = shared_matrix_reference(x, init, delta, **args)
+    assert (same_dtype.float() - fp32).abs().max() >= (truth.float() - fp32).abs().max()
+
+
 # ---------------------------------------------------------------- gradients (spec §4, invariant 3, 4)
 
 @pytest.mark.parametrize("variant", ["split", "unsplit", "scale+divisor", "mask"])

@@ -78,6 +78,19 @@ def test_delta_gradient_is_exactly_zero_outside_the_block():
     torch.testing.assert_close(dw, 2.0 ** 0.5 * dd, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_weight_gradient_with_m_split_across_programs(masked):
+    # A 50x40 block is one tile: the dW kernel splits the 300 rows over programs and
+    # reduces an fp32 workspace; the result must not change.
+    from laminae.triton_ops.shared_matrix import DW_TILES, _dw_splits
+
+    assert _dw_splits(300, 1, DW_TILES["fp32"][2], torch.device("cpu"))[0] > 1
+    lead = (3, 100) if masked else (300,)
+    inp = _inputs(lead=lead, out_features=64, in_features=48, rows=50, cols=40, ratio=3.0, split=True,
+                  scaled=True, masked=masked, divisor=2.0, scale=1.0, seed=4)
+    assert_parity(shared_matrix, shared_matrix_reference, inp, GRADS)
+
+
 def test_modules_on_triton_backend_match_reference_with_parameter_grads():
     torch.manual_seed(0)
     for module, call in ((SharedMatrix(70, 50, base_fan_in=10), lambda m, x: m(x, 61, 3.0, output_divisor=4.0)),
