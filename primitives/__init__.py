@@ -9,6 +9,7 @@ from .derf import DERFAttention, DERFCache, DERFContextGate, derf_attention_refe
 from .elo_attention import EloAttention, EloAttentionCache, elo_attention_reference
 from .engram import (EngramLayerFusion, EngramModule, EngramState, MultiHeadHashLookup, TokenCompressor,
                      engram_fusion_gate_reference, engram_lookup_reference)
+from .hrm_refinement import HRMRefinementBlock, HRMRMSNorm, hrm_refinement_reference
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
@@ -24,6 +25,7 @@ __all__ = [
     "EloAttention", "EloAttentionCache", "elo_attention_reference",
     "EngramLayerFusion", "EngramModule", "EngramState", "MultiHeadHashLookup", "TokenCompressor",
     "engram_fusion_gate_reference", "engram_lookup_reference",
+    "HRMRefinementBlock", "HRMRMSNorm", "hrm_refinement_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",

@@ -19,6 +19,7 @@ _EXPORTS = {
     "engram_fusion_gate": "engram",
     "engram_lookup": "engram",
     "flash_attention": "_flash",
+    "hrm_refinement": "hrm_refinement",
     "laurel": "laurel",
     "lucid_attention": "lucid_attention",
     "memory_caching": "memory_caching",
