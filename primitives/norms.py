@@ -31,7 +31,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, upcast
     g = group_size or D
     xs = x.reshape(*x.shape[:-1], D // g, g) if g != D else x
     if upcast:
-        y = F.rms_norm(xs.float(), (g,), None, eps).to(x.dtype)
+        y = F.rms_norm(xs.to(torch.promote_types(xs.dtype, torch.float32)), (g,), None, eps).to(x.dtype)
     else:
         y = xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps)
     y = y.reshape(x.shape)

@@ -30,7 +30,7 @@ from laminae.primitives.swiglu import SwiGLU
 from ._config import config_from_seed
 from ._keymap import KeyMap, load_state_dict, reference_tensors
 
-__all__ = ["NaylisConfig", "build", "loss", "load_reference_state_dict", "reference_parameters", "KEYMAP"]
+__all__ = ["CONFIG", "NaylisConfig", "build", "loss", "load_reference_state_dict", "reference_parameters", "KEYMAP"]
 
 
 @dataclass
@@ -133,3 +133,6 @@ def load_reference_state_dict(model: CausalLM, state_dict: Mapping[str, torch.Te
 def reference_parameters(model: CausalLM, seed_keys) -> dict:
     keymap = KEYMAP if model.tie_word_embeddings else KeyMap(KEYMAP.legacy)
     return reference_tensors(model, seed_keys, keymap)
+
+
+CONFIG = NaylisConfig
