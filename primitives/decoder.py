@@ -101,7 +101,7 @@ def _call_memory_cache(module, h, ctx, state):
 
 
 def _call_engram_fusion(module, x, ctx, state):
-    ngram = ctx.shared["ngram"]
+    ngram = ctx.shared["ngram"].to(x.dtype)
     if x.dim() == 4:   # hyper-connection streams share one n-gram read
         ngram = ngram.unsqueeze(1).expand_as(x)
     return module(x, ngram), None

@@ -168,7 +168,7 @@ def depth_mix_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     logits = (qg.unsqueeze(0).float() * keys.float()).sum(-1)
     probs = torch.softmax(logits * D ** -0.5, dim=0).to(vals.dtype)
     mixed = (probs.unsqueeze(-1) * vals).sum(dim=0)
-    return v + torch.tanh(gate) * (mixed - v)
+    return (v + torch.tanh(gate) * (mixed - v)).to(v.dtype)
 
 
 class AttentionOutput(NamedTuple):
@@ -285,7 +285,9 @@ class GroupedQueryAttention(nn.Module):
         if self.rope is not None:
             start = self.head_dim - self.rope.dim
             q, k = self.rope(q, positions, start), self.rope(k, positions, start)
-        return q, k, v
+        # under autocast the projections come out in the autocast dtype but the norms
+        # promote to their fp32 gains: the core gets one dtype, the projections'
+        return q.to(v.dtype), k.to(v.dtype), v
 
     def _check(self, x, positions, attention_mask, cache) -> None:
         check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="(batch, seq, hidden)")

@@ -93,7 +93,7 @@ def dispatch(x: torch.Tensor, experts: GroupedSwiGLU, weights: torch.Tensor, idx
     buffer = x.new_zeros(E * T, H).index_copy(0, slots, x[sorted_token])
     out = experts(buffer.view(E, T, H)).view(E * T, H)[slots]
     out = out * weights.reshape(-1, 1)[order].to(out.dtype)
-    return torch.zeros_like(x).index_add(0, sorted_token, out)
+    return x.new_zeros(T, H, dtype=out.dtype).index_add(0, sorted_token, out)
 
 
 class SparseMoE(nn.Module):

@@ -31,6 +31,11 @@ TINY = {
     "naylis": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                    num_attention_heads=4, max_position_embeddings=256, mem_size=32, mom_block_size=4,
                    mom_top_blocks=2, mom_router_rank=16),
+    "spikewhale": dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, nope_head_dim=8, qk_rope_head_dim=8,
+                       q_lora_rank=32, o_lora_rank=32, max_position_embeddings=256, moe_intermediate_size=64,
+                       use_moe=True, moe_layers=[1], n_routed_experts=4, num_experts_per_tok=2,
+                       n_shared_experts=1, num_nextn_predict_layers=1, zloss_coef=1e-4),
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "docs"
 

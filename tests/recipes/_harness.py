@@ -19,6 +19,8 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "seed_parity"
 # fixture folder → recipe module (laminae.recipes.<name>)
 FIXTURES = {
     "naylis": "naylis",
+    "spikewhale_off": "spikewhale",
+    "spikewhale_on": "spikewhale",
 }
 
 LOGIT_ATOL = 1e-4
