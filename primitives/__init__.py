@@ -17,6 +17,16 @@ from .mom_read import MoMRead, MoMReadState, mom_read_reference
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
 from .xsa import ExclusiveSelfAttention, xsa_reference
 
+from .decoder import (BRANCH_CALLS, BlockContext, Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
+                      layer_plan)
+from .gqa import AttentionOutput, GroupedQueryAttention, KVCache, sdpa_core
+from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
+from .losses import abstention_loss, cross_entropy, shift_labels, z_loss
+from .moe import GroupedSwiGLU, SparseMoE
+from .mtp import MTPHead, mtp_loss
+from .norms import RMSNorm, rms_norm
+from .rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from .swiglu import SwiGLU
 __all__ = [
     "BACKENDS", "resolve_backend",
     "BackendUnavailableError", "ConfigError", "DeviceError", "DTypeError", "ShapeError",
@@ -32,4 +42,10 @@ __all__ = [
     "MoMRead", "MoMReadState", "mom_read_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
     "ExclusiveSelfAttention", "xsa_reference",
+    "BRANCH_CALLS", "BlockContext", "Branch", "CausalLM", "DecoderCache", "DecoderModel", "ResidualBlock", "layer_plan",
+    "AttentionOutput", "GroupedQueryAttention", "KVCache", "sdpa_core",
+    "HCOutputMix", "HyperConnection", "expand_streams",
+    "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
+    "GroupedSwiGLU", "SparseMoE", "MTPHead", "mtp_loss", "RMSNorm", "rms_norm",
+    "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "SwiGLU",
 ]
