@@ -25,6 +25,7 @@ _EXPORTS = {
     "memory_caching": "memory_caching",
     "mom_read": "mom_read",
     "siamese_boundary": "siamese_norm",
+    "spelling_bee": "spelling_bee",
     "xsa": "xsa",
 }
 
