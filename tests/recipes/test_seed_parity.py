@@ -8,7 +8,7 @@ import torch
 
 from laminae.primitives.decoder import DecoderCache
 
-from ._harness import FIXTURES, GRAD_ATOL, LOGIT_ATOL, build_loaded, gradient_errors, load
+from ._harness import FIXTURES, GRAD_ATOL, LOGIT_ATOL, build_loaded, decode_in_steps, gradient_errors, load
 
 BACKENDS = ["reference", "triton"]
 
@@ -45,13 +45,7 @@ def test_cached_decoding_matches_the_full_forward(fixture):
     ids = inputs["input_ids"]
     with torch.no_grad():
         full = model(ids).logits
-        out = model(ids[:, :3], cache=DecoderCache())
-        steps, cache = [out.logits], out.cache
-        for t in range(3, ids.shape[1]):
-            out = model(ids[:, t:t + 1], cache=cache)
-            steps.append(out.logits)
-            cache = out.cache
-    incremental = torch.cat(steps, dim=1)
+    incremental = decode_in_steps(model, ids, 3)
     assert (incremental - full).abs().max().item() <= 1e-5
     if "incremental_logits.prefill3" in expected:
         assert (incremental - expected["incremental_logits.prefill3"]).abs().max().item() <= LOGIT_ATOL
