@@ -97,3 +97,19 @@ def test_runs_under_cpu_autocast(fixture):
         loss, out = mod.loss(model, inputs["input_ids"], inputs["labels"])
     assert torch.isfinite(loss)
     loss.backward()
+
+
+@pytest.mark.parametrize("fixture", sorted(FIXTURES))
+def test_padding_never_reaches_kept_positions(fixture):
+    mod, model, inputs, _ = build_loaded(fixture)
+    ids = inputs["input_ids"]
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[0, 9:] = False                                    # row 0: 9 tokens, right-padded
+    junk = ids.clone()
+    junk[0, 9:] = (ids[0, 9:] * 7 + 3) % model.lm_head.weight.shape[0]
+    with torch.no_grad():
+        a = model(ids, keep).logits
+        b = model(junk, keep).logits
+        alone = model(ids[:1, :9]).logits
+    torch.testing.assert_close(b[keep], a[keep], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a[0, :9], alone[0], atol=1e-5, rtol=0)
