@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="override a config field")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--noise-cutoff", type=float, default=0.15, help="fraction of steps with router noise")
     args = p.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -130,6 +131,11 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
 
     for step in range(start, args.steps):
         t0 = time.perf_counter()
+        if step >= args.noise_cutoff * args.steps:
+            # Naylis' trainer: the MoM router's Gumbel exploration stops at 15 % of the run
+            for module in lm.modules():
+                if hasattr(module, "noise_scale"):
+                    module.noise_scale = 0.0
         rows = global_batch(corpus, step, args.batch_size, args.seq_len, args.seed)[rank::world]
         value, _ = recipe.loss(model if world == 1 else _Forward(model, lm), rows)
         optimizer.zero_grad(set_to_none=True)
