@@ -9,14 +9,26 @@ from .derf import DERFAttention, DERFCache, DERFContextGate, derf_attention_refe
 from .elo_attention import EloAttention, EloAttentionCache, elo_attention_reference
 from .engram import (EngramLayerFusion, EngramModule, EngramState, MultiHeadHashLookup, TokenCompressor,
                      engram_fusion_gate_reference, engram_lookup_reference)
+from .hrm_refinement import HRMRefinementBlock, HRMRMSNorm, hrm_refinement_reference
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
 from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
+from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
 from .xsa import ExclusiveSelfAttention, xsa_reference
 
+from .decoder import (BRANCH_CALLS, BlockContext, Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
+                      layer_plan)
+from .gqa import AttentionOutput, GroupedQueryAttention, KVCache, sdpa_core
+from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
+from .losses import abstention_loss, cross_entropy, shift_labels, z_loss
+from .moe import GroupedSwiGLU, SparseMoE
+from .mtp import MTPHead, mtp_loss
+from .norms import RMSNorm, rms_norm
+from .rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from .swiglu import SwiGLU
 __all__ = [
     "BACKENDS", "resolve_backend",
     "BackendUnavailableError", "ConfigError", "DeviceError", "DTypeError", "ShapeError",
@@ -25,11 +37,19 @@ __all__ = [
     "EloAttention", "EloAttentionCache", "elo_attention_reference",
     "EngramLayerFusion", "EngramModule", "EngramState", "MultiHeadHashLookup", "TokenCompressor",
     "engram_fusion_gate_reference", "engram_lookup_reference",
+    "HRMRefinementBlock", "HRMRMSNorm", "hrm_refinement_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
     "MoMRead", "MoMReadState", "mom_read_reference",
     "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
+    "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
     "ExclusiveSelfAttention", "xsa_reference",
+    "BRANCH_CALLS", "BlockContext", "Branch", "CausalLM", "DecoderCache", "DecoderModel", "ResidualBlock", "layer_plan",
+    "AttentionOutput", "GroupedQueryAttention", "KVCache", "sdpa_core",
+    "HCOutputMix", "HyperConnection", "expand_streams",
+    "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
+    "GroupedSwiGLU", "SparseMoE", "MTPHead", "mtp_loss", "RMSNorm", "rms_norm",
+    "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "SwiGLU",
 ]

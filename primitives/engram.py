@@ -551,7 +551,8 @@ class EngramModule(nn.Module):
         equals one forward over the whole sequence."""
         state = state or EngramState()
         compressed = self.compress(x)
-        retrieved = self.lookup(compressed, prefix=state.prefix)
+        # under autocast the frozen projection runs in bf16: the read joins x in x's dtype
+        retrieved = self.lookup(compressed, prefix=state.prefix).to(x.dtype)
         return EngramOutput(self.gate(retrieved, x), retrieved, state.advance(compressed, self.max_ngram))
 
 

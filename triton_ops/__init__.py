@@ -19,12 +19,14 @@ _EXPORTS = {
     "engram_fusion_gate": "engram",
     "engram_lookup": "engram",
     "flash_attention": "_flash",
+    "hrm_refinement": "hrm_refinement",
     "laurel": "laurel",
     "lucid_attention": "lucid_attention",
     "memory_caching": "memory_caching",
     "mom_read": "mom_read",
     "shared_matrix": "shared_matrix",
     "siamese_boundary": "siamese_norm",
+    "spelling_bee": "spelling_bee",
     "xsa": "xsa",
 }
 

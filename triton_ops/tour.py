@@ -33,6 +33,8 @@ MECHANISMS = [
     "memory_caching",
     "mom_read",
     "shared_matrix",
+    "hrm_refinement",
+    "spelling_bee",
 ]
 
 

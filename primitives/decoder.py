@@ -1,0 +1,413 @@
+"""Generic decoder containers: a residual block of parallel, pre-normed branches, a
+decoder stack that runs its layers along a plan (looped stacks) with one cache, and a
+causal LM around it. Recipes wire primitives into these; they define no module.
+
+``ResidualBlock`` — one layer as a list of *stages*; each stage is a list of
+:class:`Branch` (norm → module → optional ``tanh(gate)``) whose outputs are summed and
+added to the residual stream::
+
+    Llama:       [[attn]], [[mlp]]                       x += attn(n1(x)); x += mlp(n2(x))
+    Naylis:      [[attn]], [[mom]], [[mlp]]
+    SpikeWhale:  [[attn, mc (tanh-gated)]], [[ffn]]      + hyper-connections, value
+                                                           embedding, Engram fusion
+
+With hyper-connections the stream is ``[B, M, S, H]`` and each stage reads
+``hc.pre(streams)`` and writes ``hc.post(streams, out)``. An *injection*
+(``h += tanh(gate)·shared[key]``, SpikeWhale's value embedding) is added to the first
+stage's input; without hyper-connections it therefore stays in the stream. A *post*
+module (Engram fusion) maps the stream after the last stage.
+
+How a branch module is called is looked up by its type in :data:`BRANCH_CALLS`
+(attention gets positions, mask, cache and depth sources; MoE adds its aux loss; a
+MoM read gets the shared bank); anything else is called as ``module(h)``. A
+:class:`Branch` can carry its own ``call`` for unusual wiring; a new module type
+registers its call once.
+
+``DecoderModel`` — ``embed_tokens`` → optional input stage (Engram) → layers along a
+``plan`` of (layer, pass) pairs (see :func:`layer_plan`; a new pass adds
+``loop_pass_embed[pass]``) → optional stream mix → optional refiner (HRM) → ``norm``.
+
+Decoding: ``forward(ids, cache=DecoderCache())`` returns a new cache; the one passed
+in is left as it was (every block state returns a fresh object), so two different
+next steps from one cache are both right.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._errors import ConfigError, ShapeError
+from ._validation import check_keep_mask, check_same_device, check_tensor
+from .gqa import GroupedQueryAttention, KVCache
+from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
+
+__all__ = ["BlockContext", "Branch", "BRANCH_CALLS", "ResidualBlock", "layer_plan", "DecoderCache",
+           "DecoderOutput", "DecoderModel", "CausalLM", "LMOutput"]
+
+
+@dataclass
+class BlockContext:
+    """What every branch of one forward may read: positions ``[B|1, S]``, the
+    ``(B, S)`` keep mask of this call's tokens, model-level tensors (``shared``:
+    a memory bank, the token embedding, the n-gram read, …), the depth-attention
+    sources of this pass, and a list collecting aux losses."""
+
+    positions: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    shared: dict[str, Any] = field(default_factory=dict)
+    depth_sources: list = field(default_factory=list)
+    aux_losses: list = field(default_factory=list)
+    decoding: bool = False
+
+
+BranchCall = Callable[[nn.Module, torch.Tensor, BlockContext, Any], tuple[torch.Tensor, Any]]
+
+
+def _call_attention(module, h, ctx, state):
+    cache = (state or KVCache()) if ctx.decoding else None
+    out, cache, entry = module(h, ctx.positions, ctx.attention_mask, cache=cache, depth_sources=ctx.depth_sources)
+    if entry is not None:
+        ctx.depth_sources.append(entry)
+    return out, cache
+
+
+def _call_moe(module, h, ctx, state):
+    out, aux = module(h, ctx.positions)
+    if aux is not None:
+        ctx.aux_losses.append(aux)
+    return out, None
+
+
+def _call_mom(module, h, ctx, state):
+    from .mom_read import MoMReadState
+
+    out, state = module(h, ctx.shared["M_blocks"], state=(state or MoMReadState()) if ctx.decoding else None)
+    return out, state
+
+
+def _call_memory_cache(module, h, ctx, state):
+    from .memory_caching import MemoryCacheState
+
+    if not ctx.decoding:
+        return module(h, ctx.attention_mask)[0], None
+    # copy the entry: the branch advances it in place, the caller's cache must not move
+    entries = {} if state is None else {k: dataclasses.replace(v) for k, v in state.entries.items()}
+    return module(h, ctx.attention_mask, state=MemoryCacheState(entries))
+
+
+def _call_engram_fusion(module, x, ctx, state):
+    ngram = ctx.shared["ngram"].to(x.dtype)
+    if x.dim() == 4:   # hyper-connection streams share one n-gram read
+        ngram = ngram.unsqueeze(1).expand_as(x)
+    return module(x, ngram), None
+
+
+def _default_calls() -> dict[type, BranchCall]:
+    from .engram import EngramLayerFusion
+    from .memory_caching import MemoryCacheBranch
+    from .moe import SparseMoE
+    from .mom_read import MoMRead
+
+    return {GroupedQueryAttention: _call_attention, SparseMoE: _call_moe, MoMRead: _call_mom,
+            MemoryCacheBranch: _call_memory_cache, EngramLayerFusion: _call_engram_fusion}
+
+
+BRANCH_CALLS: dict[type, BranchCall] = _default_calls()
+
+
+def _call(module: nn.Module, h: torch.Tensor, ctx: BlockContext, state: Any, call: BranchCall | None = None):
+    call = call or next((fn for cls, fn in BRANCH_CALLS.items() if isinstance(module, cls)), None)
+    if call is None:
+        return module(h), None
+    return call(module, h, ctx, state)
+
+
+@dataclass
+class Branch:
+    """One pre-normed branch of a stage: registered on the block as ``name`` (the
+    module), ``norm_name`` (default ``f"{name}_norm"``) and, with ``gate``, a zero-init
+    scalar ``f"{name}_gate"`` applied as ``tanh(gate)·out``."""
+
+    name: str
+    module: nn.Module
+    norm: nn.Module | None = None
+    norm_name: str | None = None
+    gate: bool = False
+    call: BranchCall | None = None
+
+
+class ResidualBlock(nn.Module):
+    """A decoder layer made of residual stages of parallel branches (see module doc).
+
+    Args:
+        stages: list of stages, each a list of :class:`Branch`.
+        hyper_connections: names of one :class:`HyperConnection` per stage (e.g.
+            ``["hc_attn", "hc_ffn"]``); None = plain residual.
+        hc_mult: number of streams with hyper-connections.
+        injection: ``(gate_name, shared_key)``: ``h += tanh(gate)·ctx.shared[key]`` at
+            the first stage's input (zero-init gate).
+        post: ``(name, module)`` applied to the stream after the last stage.
+        dropout: on every branch output in training (the seed's hidden dropout).
+
+    ``forward(x, ctx, state=None) -> (x, state)``; ``x`` ``[B, S, H]`` or
+    ``[B, M, S, H]``; ``state`` maps branch names to their decoding states.
+    """
+
+    def __init__(self, stages: Sequence[Sequence[Branch]], *, hyper_connections: Sequence[str] | None = None,
+                 hc_mult: int = 1, injection: tuple[str, str] | None = None,
+                 post: tuple[str, nn.Module] | None = None, dropout: float = 0.0) -> None:
+        super().__init__()
+        if not stages or any(not stage for stage in stages):
+            raise ConfigError("`stages` must be a non-empty list of non-empty branch lists")
+        if hyper_connections is not None and len(hyper_connections) != len(stages):
+            raise ConfigError(f"`hyper_connections` names one per stage ({len(stages)}), got {len(hyper_connections)}")
+        self.stages = [[b.name for b in stage] for stage in stages]
+        self._norm_names, self._gated, self._calls = {}, set(), {}
+        for stage in stages:
+            for b in stage:
+                self.add_module(b.name, b.module)
+                if b.norm is not None:
+                    self._norm_names[b.name] = b.norm_name or f"{b.name}_norm"
+                    self.add_module(self._norm_names[b.name], b.norm)
+                if b.gate:
+                    self.register_parameter(f"{b.name}_gate", nn.Parameter(torch.zeros(1)))
+                    self._gated.add(b.name)
+                if b.call is not None:
+                    self._calls[b.name] = b.call
+        self.hc_names = list(hyper_connections) if hyper_connections else None
+        for name in self.hc_names or ():
+            self.add_module(name, HyperConnection(hc_mult))
+        self.injection = injection
+        if injection is not None:
+            self.register_parameter(injection[0], nn.Parameter(torch.zeros(1)))
+        self.post_name = None
+        if post is not None:
+            self.post_name = post[0]
+            self.add_module(post[0], post[1])
+        self.dropout = float(dropout)
+
+    def forward(self, x: torch.Tensor, ctx: BlockContext, state: dict | None = None) -> tuple[torch.Tensor, dict]:
+        state = state or {}
+        new_state = {}
+        for si, names in enumerate(self.stages):
+            hc = getattr(self, self.hc_names[si]) if self.hc_names else None
+            h = hc.pre(x) if hc is not None else x
+            if si == 0 and self.injection is not None and self.injection[1] in ctx.shared:
+                h = h + torch.tanh(getattr(self, self.injection[0])) * ctx.shared[self.injection[1]]
+            out = None
+            for name in names:
+                inp = getattr(self, self._norm_names[name])(h) if name in self._norm_names else h
+                y, new_state[name] = _call(getattr(self, name), inp, ctx, state.get(name), self._calls.get(name))
+                y = F.dropout(y, p=self.dropout, training=self.training)
+                if name in self._gated:
+                    y = torch.tanh(getattr(self, f"{name}_gate")) * y
+                out = y if out is None else out + y
+            x = hc.post(x, out) if hc is not None else h + out
+        if self.post_name is not None:
+            x, _ = _call(getattr(self, self.post_name), x, ctx, None)
+        return x, new_state
+
+
+def layer_plan(num_layers: int, loop_count: int = 1, mode: str = "full",
+               middle_layers: int | None = None) -> list[tuple[int, int | None]]:
+    """Execution order of a (looped) stack as (layer, pass) pairs; pass is None outside
+    a looped region. "full": the whole stack ``loop_count`` times; "middle_split": a
+    prefix once, the middle ``middle_layers`` (default half) ``loop_count`` times, the
+    suffix once. The list position is the layer call's cache slot."""
+    if loop_count <= 1 or mode == "full":
+        n = max(1, loop_count)
+        return [(layer, p if n > 1 else None) for p in range(n) for layer in range(num_layers)]
+    if mode != "middle_split":
+        raise ConfigError(f"`loop_mode` must be 'full' or 'middle_split', got {mode!r}")
+    width = middle_layers if middle_layers is not None else num_layers // 2
+    if width <= 0 or num_layers % width:
+        raise ConfigError(f"`loop_middle_layers`={width} must be positive and divide num_layers={num_layers}")
+    start = (num_layers - width) // 2
+    end = start + width
+    return ([(layer, None) for layer in range(start)]
+            + [(layer, p) for p in range(loop_count) for layer in range(start, end)]
+            + [(layer, None) for layer in range(end, num_layers)])
+
+
+@dataclass(eq=False)
+class DecoderCache:
+    """Decoding state of a :class:`DecoderModel`: tokens seen, one state dict per plan
+    slot, the input stage's state. Start with ``DecoderCache()``; pass back what the
+    model returns. ``reset()`` empties it for a new generation."""
+
+    length: int = 0
+    slots: tuple | None = None
+    input_state: Any = None
+    signature: tuple | None = None
+
+    def reset(self) -> None:
+        self.length, self.slots, self.input_state, self.signature = 0, None, None, None
+
+
+class DecoderOutput(NamedTuple):
+    hidden: torch.Tensor                 # [B, S, H] after the final norm
+    cache: DecoderCache | None
+    aux_loss: torch.Tensor               # summed aux losses (normalised by plan length / layers)
+    refine_states: list | None           # normed intermediate refiner states (deep supervision)
+
+
+class DecoderModel(nn.Module):
+    """Decoder stack: embedding → [input stage] → layers along ``plan`` → [stream mix]
+    → [refiner] → norm.
+
+    Args:
+        embed_tokens: ``nn.Embedding(V, H)``.
+        layers: the distinct layers (:class:`ResidualBlock`).
+        norm: final norm.
+        plan: (layer, pass) pairs (default: each layer once); see :func:`layer_plan`.
+        loop_pass_embed: a zero-init ``[passes, H]`` parameter added at each new pass.
+        hc_mult: > 1 expands the stream into that many hyper-connection streams and
+            mixes them back with ``hc_out_mix`` (:class:`HCOutputMix`).
+        input_stage: ``(name, module)`` reading the embeddings before the layers; an
+            :class:`~laminae.primitives.engram.EngramModule` adds its gated read and
+            shares the raw read as ``ctx.shared["ngram"]``.
+        value_embedding: share the token embedding as ``ctx.shared["token_embed"]``.
+        refiner: ``(name, module)`` called as ``module(x, return_all=...)`` before the
+            final norm (HRM refinement); ``deep_supervision`` keeps its states in training.
+        shared: model-level parameters handed to every branch by name (Naylis' bank).
+
+    ``forward(input_ids [B, S], attention_mask=None, cache=None) -> DecoderOutput``.
+    """
+
+    def __init__(self, embed_tokens: nn.Embedding, layers: Sequence[ResidualBlock], norm: nn.Module, *,
+                 plan: Sequence[tuple[int, int | None]] | None = None, loop_pass_embed: bool = False,
+                 hc_mult: int = 1, input_stage: tuple[str, nn.Module] | None = None,
+                 value_embedding: bool = False, refiner: tuple[str, nn.Module] | None = None,
+                 deep_supervision: bool = False, shared: dict[str, nn.Parameter] | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+        self.layers = nn.ModuleList(layers)
+        self.plan = list(plan) if plan is not None else [(i, None) for i in range(len(layers))]
+        if any(not 0 <= layer < len(layers) for layer, _ in self.plan):
+            raise ConfigError(f"`plan` refers to layers outside 0..{len(layers) - 1}: {self.plan}")
+        passes = max((p for _, p in self.plan if p is not None), default=-1) + 1
+        self.loop_pass_embed = (nn.Parameter(torch.zeros(passes, embed_tokens.embedding_dim))
+                                if loop_pass_embed and passes > 1 else None)
+        self.hc_mult = hc_mult
+        self.input_stage = input_stage[0] if input_stage else None
+        if input_stage:
+            self.add_module(*input_stage)
+        self.hc_out_mix = HCOutputMix(hc_mult) if hc_mult > 1 else None
+        self.refiner = refiner[0] if refiner else None
+        if refiner:
+            self.add_module(*refiner)
+        self.norm = norm
+        self.value_embedding, self.deep_supervision = bool(value_embedding), bool(deep_supervision)
+        self.shared_names = list(shared or {})
+        for name, param in (shared or {}).items():
+            self.register_parameter(name, param)
+        # a looped plan calls routers more often than one pass: keep the aux scale comparable
+        self.router_scale = len(self.plan) / len(layers)
+
+    @property
+    def signature(self) -> tuple:
+        return ("decoder", len(self.plan), self.embed_tokens.embedding_dim, self.hc_mult)
+
+    def _check(self, input_ids, attention_mask, cache) -> None:
+        check_tensor("input_ids", input_ids, ndim=2, dtypes=(torch.int64, torch.int32), layout="(batch, seq)")
+        if input_ids.shape[1] == 0:
+            raise ShapeError("`input_ids` has an empty sequence; the model needs at least one token")
+        check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
+        check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=self.embed_tokens.weight)
+        if cache is not None:
+            if not isinstance(cache, DecoderCache):
+                raise TypeError(f"`cache` must be a DecoderCache or None, got {type(cache).__name__}")
+            if cache.signature is not None and cache.signature != self.signature:
+                raise ConfigError(f"`cache` belongs to a decoder {cache.signature}, this one is {self.signature}")
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: DecoderCache | None = None) -> DecoderOutput:
+        self._check(input_ids, attention_mask, cache)
+        B, S = input_ids.shape
+        past = cache.length if cache is not None else 0
+        positions = torch.arange(past, past + S, device=input_ids.device).unsqueeze(0)
+        ctx = BlockContext(positions, attention_mask, {n: getattr(self, n) for n in self.shared_names},
+                           decoding=cache is not None)
+        x = self.embed_tokens(input_ids)
+        if self.value_embedding:
+            ctx.shared["token_embed"] = x
+        input_state = None
+        if self.input_stage is not None:
+            stage = getattr(self, self.input_stage)
+            out, ctx.shared["ngram"], input_state = stage.forward_with_state(
+                x, cache.input_state if cache is not None else None)
+            x = x + out
+        if self.hc_mult > 1:
+            x = expand_streams(x, self.hc_mult)
+        old_slots = cache.slots if cache is not None and cache.slots else (None,) * len(self.plan)
+        new_slots, prev_pass, prefix_sources = [], None, []
+        for slot, (layer_idx, pass_idx) in enumerate(self.plan):
+            if pass_idx is not None and pass_idx != prev_pass:
+                if self.loop_pass_embed is not None:
+                    x = x + self.loop_pass_embed[pass_idx]
+                # depth sources restart every pass, keeping what an unlooped prefix offered
+                if prev_pass is None:
+                    prefix_sources = list(ctx.depth_sources)
+                ctx.depth_sources = list(prefix_sources)
+            prev_pass = pass_idx
+            x, state = self.layers[layer_idx](x, ctx, old_slots[slot])
+            new_slots.append(state)
+        aux = sum(ctx.aux_losses, x.new_zeros((), dtype=torch.float32))
+        if self.router_scale > 1.0:
+            aux = aux / self.router_scale
+        if self.hc_out_mix is not None:
+            x = self.hc_out_mix(x)
+        refine_states = None
+        if self.refiner is not None:
+            refiner = getattr(self, self.refiner)
+            if self.deep_supervision and self.training:
+                x, states = refiner(x, return_all=True)
+                refine_states = [self.norm(s) for s in states]
+            else:
+                x = refiner(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = DecoderCache(past + S, tuple(new_slots), input_state, self.signature)
+        return DecoderOutput(self.norm(x), new_cache, aux, refine_states)
+
+
+class LMOutput(NamedTuple):
+    logits: torch.Tensor                 # [B, S, V]
+    hidden: torch.Tensor                 # [B, S, H]
+    aux_loss: torch.Tensor
+    cache: DecoderCache | None
+    refine_states: list | None
+
+
+class CausalLM(nn.Module):
+    """``model`` (:class:`DecoderModel`) + ``lm_head`` (bias-free, tied to the embedding
+    when ``tie_word_embeddings``). Extra heads a recipe's loss uses (MTP, abstention)
+    are added with ``add_module``.
+
+    ``forward(input_ids, attention_mask=None, cache=None) -> LMOutput``.
+    ``logits_fn(hidden)`` applies the LM head (shared by MTP heads)."""
+
+    def __init__(self, model: DecoderModel, vocab_size: int, *, tie_word_embeddings: bool = False,
+                 initializer_range: float | None = None) -> None:
+        super().__init__()
+        self.model = model
+        hidden = model.embed_tokens.embedding_dim
+        self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
+        if initializer_range is not None:
+            nn.init.normal_(self.lm_head.weight, std=initializer_range)
+        self.tie_word_embeddings = bool(tie_word_embeddings)
+        if tie_word_embeddings:
+            self.lm_head.weight = model.embed_tokens.weight
+
+    def logits_fn(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: DecoderCache | None = None) -> LMOutput:
+        out = self.model(input_ids, attention_mask, cache)
+        return LMOutput(self.lm_head(out.hidden), out.hidden, out.aux_loss, out.cache, out.refine_states)

@@ -1,0 +1,123 @@
+import pytest
+import torch
+from torch import nn
+
+from laminae.primitives import ConfigError, DeviceError
+from laminae.primitives.decoder import (Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
+                                        layer_plan)
+from laminae.primitives.gqa import GroupedQueryAttention
+from laminae.primitives.hyper_connections import HCOutputMix, HyperConnection, expand_streams
+from laminae.primitives.norms import RMSNorm
+from laminae.primitives.rotary import RotaryEmbedding
+from laminae.primitives.swiglu import SwiGLU
+
+
+def test_layer_plans():
+    assert layer_plan(3) == [(0, None), (1, None), (2, None)]
+    assert layer_plan(2, 2) == [(0, 0), (1, 0), (0, 1), (1, 1)]
+    assert layer_plan(4, 2, "middle_split") == [(0, None), (1, 0), (2, 0), (1, 1), (2, 1), (3, None)]
+    with pytest.raises(ConfigError, match="loop_middle_layers"):
+        layer_plan(4, 2, "middle_split", 3)
+    with pytest.raises(ConfigError, match="loop_mode"):
+        layer_plan(4, 2, "spiral")
+
+
+def test_hyper_connections_start_as_a_plain_residual_on_identical_streams():
+    x = torch.randn(2, 3, 5)
+    streams = expand_streams(x, 4)
+    hc = HyperConnection(4)
+    torch.testing.assert_close(hc.pre(streams), x)
+    delta = torch.randn(2, 3, 5)
+    torch.testing.assert_close(HCOutputMix(4)(hc.post(streams, delta)), x + delta / 4)
+
+
+def tiny_llama(layers=2, tie=True, plan=None):
+    torch.manual_seed(0)
+    norm = lambda: RMSNorm(16)  # noqa: E731
+    blocks = [ResidualBlock([[Branch("attn", GroupedQueryAttention(16, 4, 2, 4, rope=RotaryEmbedding(4)), norm())],
+                             [Branch("mlp", SwiGLU(16, 24), norm())]]) for _ in range(layers)]
+    return CausalLM(DecoderModel(nn.Embedding(50, 16), blocks, norm(), plan=plan), 50, tie_word_embeddings=tie)
+
+
+def test_residual_block_is_pre_norm_residual():
+    lm = tiny_llama(1)
+    block = lm.model.layers[0]
+    x = torch.randn(1, 4, 16)
+    from laminae.primitives.decoder import BlockContext
+
+    ctx = BlockContext(torch.arange(4)[None])
+    h = x + block.attn(block.attn_norm(x), ctx.positions).output
+    want = h + block.mlp(block.mlp_norm(h))
+    torch.testing.assert_close(block(x, ctx)[0], want)
+    assert {"attn_norm.weight", "mlp_norm.weight"} <= set(block.state_dict())
+
+
+def test_looped_plan_decodes_like_the_full_forward_and_ties_weights():
+    lm = tiny_llama(2, plan=layer_plan(2, 2)).eval()
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight
+    ids = torch.randint(50, (2, 7))
+    with torch.no_grad():
+        full = lm(ids).logits
+        out = lm(ids[:, :2], cache=DecoderCache())
+        steps, cache = [out.logits], out.cache
+        for t in range(2, 7):
+            out = lm(ids[:, t:t + 1], cache=cache)
+            steps.append(out.logits)
+            cache = out.cache
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+    cache.reset()
+    assert cache.length == 0 and cache.slots is None
+
+
+def test_padded_rows_equal_unpadded_rows():
+    lm = tiny_llama().eval()
+    ids = torch.randint(50, (1, 5))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    keep = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    # positions restart after the padding only if the caller says so; compare with right padding instead
+    right = torch.cat([ids, torch.zeros(1, 3, dtype=torch.long)], 1)
+    keep_right = torch.tensor([[1, 1, 1, 1, 1, 0, 0, 0]])
+    torch.testing.assert_close(lm(right, keep_right).logits[:, :5], lm(ids).logits, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(lm(padded, keep).logits).all()
+
+
+def test_named_errors():
+    lm = tiny_llama()
+    with pytest.raises(ValueError, match="input_ids"):
+        lm(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(TypeError, match="input_ids"):
+        lm(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="attention_mask"):
+        lm(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0.0, -float("inf"), 0.0]]))
+    with pytest.raises(DeviceError, match="input_ids on meta"):
+        lm(torch.zeros(1, 3, dtype=torch.long, device="meta"))
+    other = tiny_llama(3)
+    with torch.no_grad():
+        cache = other(torch.zeros(1, 2, dtype=torch.long), cache=DecoderCache()).cache
+        with pytest.raises(ConfigError, match="cache"):
+            lm(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+    with pytest.raises(ConfigError, match="plan"):
+        DecoderModel(nn.Embedding(5, 4), [], RMSNorm(4), plan=[(0, None)])
+
+
+def test_injection_stays_in_the_stream_without_hyper_connections_and_not_with_them():
+    from laminae.primitives.decoder import BlockContext
+
+    torch.manual_seed(0)
+    x, emb = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    ctx = BlockContext(torch.arange(3)[None], shared={"token_embed": emb})
+
+    def block(hc):
+        b = ResidualBlock([[Branch("mlp", SwiGLU(8, 8))]], hyper_connections=["hc"] if hc else None, hc_mult=2,
+                          injection=("ve_gate", "token_embed"))
+        with torch.no_grad():
+            b.ve_gate.fill_(0.5)
+        return b
+
+    plain = block(False)
+    h = x + torch.tanh(torch.tensor(0.5)) * emb
+    torch.testing.assert_close(plain(x, ctx)[0], h + plain.mlp(h))       # the injection stays in x
+    hyper = block(True)
+    streams = expand_streams(x, 2)
+    out = hyper.mlp(hyper.hc.pre(streams) + torch.tanh(torch.tensor(0.5)) * emb)
+    torch.testing.assert_close(hyper(streams, ctx)[0], hyper.hc.post(streams, out))   # only the branch input

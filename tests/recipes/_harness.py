@@ -1,0 +1,86 @@
+"""One harness for every recipe: which seed-parity fixture belongs to which recipe.
+
+A new recipe plugs in by adding its fixture folders here (copied from
+shared/fixtures/seed_parity into tests/data/seed_parity). Every recipe module
+provides ``CONFIG.from_seed_config``, ``build``, ``loss``,
+``load_reference_state_dict`` and ``reference_parameters``.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "seed_parity"
+
+# fixture folder → recipe module (laminae.recipes.<name>)
+FIXTURES = {
+    "naylis": "naylis",
+    "spikewhale_off": "spikewhale",
+    "spikewhale_on": "spikewhale",
+}
+
+LOGIT_ATOL = 1e-4
+GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-3
+
+
+def recipe(fixture: str):
+    return importlib.import_module(f"laminae.recipes.{FIXTURES[fixture]}")
+
+
+@lru_cache(maxsize=None)
+def _files(fixture: str):
+    from safetensors.torch import load_file
+
+    folder = DATA / fixture
+    return (json.loads((folder / "config.json").read_text()), load_file(str(folder / "weights.safetensors")),
+            load_file(str(folder / "inputs.safetensors")), load_file(str(folder / "expected.safetensors")))
+
+
+def load(fixture: str):
+    """``(recipe module, config, weights, inputs, expected)``; tensors are fresh copies."""
+    seed_config, weights, inputs, expected = _files(fixture)
+    mod = recipe(fixture)
+    clone = lambda d: {k: v.clone() for k, v in d.items()}  # noqa: E731
+    return mod, mod.CONFIG.from_seed_config(seed_config), clone(weights), clone(inputs), clone(expected)
+
+
+def build_loaded(fixture: str, backend: str = "reference"):
+    mod, config, weights, inputs, expected = load(fixture)
+    model = mod.build(config, backend=backend)
+    mod.load_reference_state_dict(model, weights)
+    model.eval()
+    return mod, model, inputs, expected
+
+
+def gradient_errors(mod, model, expected) -> dict[str, float]:
+    """Per seed parameter: max(|g − g_seed| − rtol·|g_seed|) (≤ atol passes)."""
+    names = [k[len("grad."):] for k in expected if k.startswith("grad.")]
+    errors = {}
+    for name, (param, row) in mod.reference_parameters(model, names).items():
+        want = expected["grad." + name]
+        got = param.grad if row is None else param.grad[row]
+        if got is None:
+            errors[name] = float("inf")
+            continue
+        errors[name] = ((got - want).abs() - GRAD_RTOL * want.abs()).max().item()
+    return errors
+
+
+
+
+def decode_in_steps(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of a prefill of ``prefill`` tokens followed by one-token cached steps."""
+    from laminae.primitives.decoder import DecoderCache
+
+    with torch.no_grad():
+        out = model(ids[:, :prefill], cache=DecoderCache())
+        steps, cache = [out.logits], out.cache
+        for t in range(prefill, ids.shape[1]):
+            out = model(ids[:, t:t + 1], cache=cache)
+            steps.append(out.logits)
+            cache = out.cache
+    return torch.cat(steps, dim=1)
