@@ -14,6 +14,8 @@ from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
+from .stack_memory import (StackMemory, StackMemoryCache, StackMemoryState, stack_memory_reference,
+                           stack_scan_reference, stack_step_reference)
 from .xsa import ExclusiveSelfAttention, xsa_reference
 
 __all__ = [
@@ -29,5 +31,7 @@ __all__ = [
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
     "MoMRead", "MoMReadState", "mom_read_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
+    "StackMemory", "StackMemoryCache", "StackMemoryState", "stack_memory_reference", "stack_scan_reference",
+    "stack_step_reference",
     "ExclusiveSelfAttention", "xsa_reference",
 ]

@@ -24,6 +24,9 @@ _EXPORTS = {
     "memory_caching": "memory_caching",
     "mom_read": "mom_read",
     "siamese_boundary": "siamese_norm",
+    "stack_memory": "stack_memory",
+    "stack_scan": "stack_memory",
+    "stack_step": "stack_memory",
     "xsa": "xsa",
 }
 
