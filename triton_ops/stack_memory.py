@@ -47,6 +47,9 @@ MIN_BLOCK = 8
 MAX_ROW_TILE = 512
 STEP_TILE = 1024          # elements per program in the depth step (BLOCK_R rows)
 STEP_WARPS = 4
+# The backward holds ~3x the live tiles of the forward (the gradient of the new state
+# at three slot offsets); more threads keep it under 255 registers without spills.
+STEP_BWD_WARPS = 8
 
 
 def _blocks(num_slots: int, head_dim: int) -> tuple[int, int]:
@@ -63,8 +66,8 @@ def _step_rows(block_s: int, block_d: int) -> int:
     return max(1, STEP_TILE // (block_s * block_d))
 
 
-def _scan_warps(block_s: int, block_d: int) -> int:
-    return 1 if block_s * block_d <= 128 else 2 if block_s * block_d <= 256 else 4
+def _scan_warps(block_s: int, block_d: int, backward: bool = False) -> int:
+    return 8 if backward and block_s * block_d > 256 else 4
 
 
 # ----------------------------------------------------------------------------
@@ -421,7 +424,7 @@ def _stack_step_bwd_op(logits: torch.Tensor, push: torch.Tensor, stack: torch.Te
     wrap_triton(_stack_step_bwd_kernel)[(grid,)](
         logits, push, stack, stack_mask, gate, keep, d_read, d_new_stack, d_new_mask, d_entropy,
         d_logits, d_push, d_stack, d_mask, partials, rows, H, S, D, int(released),
-        BLOCK_R=br, BLOCK_S=bs, BLOCK_D=bd, num_warps=STEP_WARPS)
+        BLOCK_R=br, BLOCK_S=bs, BLOCK_D=bd, num_warps=STEP_BWD_WARPS)
     return d_logits, d_push, d_stack, d_mask, partials.sum(0)
 
 
@@ -503,7 +506,8 @@ def _stack_scan_bwd_op(logits: torch.Tensor, push: torch.Tensor, gate: torch.Ten
     partials = empty((rows, D), dtype=torch.float32, device=push.device)
     wrap_triton(_stack_scan_bwd_kernel)[(rows,)](
         logits, push, gate, keep, buf, mbuf, d_read, d_entropy, carry, carry_m, d_logits, d_push, partials,
-        rows, T, H, S, D, int(released), BLOCK_R=1, BLOCK_S=bs, BLOCK_D=bd, num_warps=_scan_warps(bs, bd))
+        rows, T, H, S, D, int(released), BLOCK_R=1, BLOCK_S=bs, BLOCK_D=bd,
+        num_warps=_scan_warps(bs, bd, backward=True))
     return d_logits, d_push, partials.sum(0), carry.reshape(B, H, S, D), carry_m.reshape(B, H, S)
 
 
@@ -630,7 +634,7 @@ def static_cases() -> Iterator[StaticCase]:
         yield StaticCase("stack_step_bwd", _stack_step_bwd_kernel,
                          dict(z_ptr=f, p_ptr=f, st_ptr=f, m_ptr=f, g_ptr=f, keep_ptr=f, dr_ptr=f, dn_ptr=f,
                               dnm_ptr=f, de_ptr=f, dz_ptr=f, dp_ptr=f, dst_ptr=f, dm_ptr=f, dg_ptr=f, **ints),
-                         step, STEP_WARPS)
+                         step, STEP_BWD_WARPS)
         sints = dict(n_rows="i32", T="i32", H="i32", S="i32", D="i32")
         yield StaticCase("stack_scan_fwd", _stack_scan_fwd_kernel,
                          dict(z_ptr=f, p_ptr=f, g_ptr=f, keep_ptr=f, buf_ptr=f, mbuf_ptr=f, read_ptr=f, ent_ptr=f,
@@ -638,7 +642,7 @@ def static_cases() -> Iterator[StaticCase]:
         yield StaticCase("stack_scan_bwd", _stack_scan_bwd_kernel,
                          dict(z_ptr=f, p_ptr=f, g_ptr=f, keep_ptr=f, buf_ptr=f, mbuf_ptr=f, dr_ptr=f, de_ptr=f,
                               dc_ptr=f, dcm_ptr=f, dz_ptr=f, dp_ptr=f, dg_ptr=f, **sints, released="i32"),
-                         scan, _scan_warps(bs, bd))
+                         scan, _scan_warps(bs, bd, backward=True))
 
 
 def tour_case(device: torch.device):
