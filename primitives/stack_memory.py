@@ -36,7 +36,7 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import FLOAT_DTYPES, check_choice, check_keep_mask, check_positive_int, check_tensor
+from ._validation import check_choice, check_keep_mask, check_positive_int, check_tensor
 
 __all__ = [
     "stack_actions_reference", "stack_update_reference", "stack_read_reference", "stack_step_reference",

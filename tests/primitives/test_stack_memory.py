@@ -289,6 +289,7 @@ def test_two_branches_from_one_cache_are_independent():
     before = cache.stack.clone(), cache.stack_mask.clone(), cache.length
     ya, _, cache_a = m(a, cache=cache)
     yb, _, cache_b = m(b, cache=cache)
+    assert isinstance(cache_a, StackMemoryCache) and cache_a is not cache and cache_b is not cache
     assert torch.equal(cache.stack, before[0]) and torch.equal(cache.stack_mask, before[1])
     assert cache.length == before[2]
     torch.testing.assert_close(ya, m(torch.cat([x, a], 1)).hidden_states[:, -1:], rtol=1e-6, atol=1e-6)
