@@ -321,8 +321,9 @@ def test_scan_reference_splits_exactly():
     torch.testing.assert_close(st2, st, rtol=0, atol=0)
 
 
-def test_autocast_bf16_runs_and_returns_the_autocast_dtype():
-    m = _module()
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_autocast_bf16_runs_and_returns_the_autocast_dtype(backend):
+    m = _module(backend=backend)
     x = torch.randn(2, 5, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = torch.nn.functional.linear(x, torch.eye(32))   # a bf16 activation, as inside a model
