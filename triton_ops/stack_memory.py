@@ -166,15 +166,12 @@ def _step_forward(z_ptr, p_ptr, st_ptr, m_ptr, zoff, poff, stoff, moff, keep, rm
 
 
 @triton.jit
-def _grad_new(st_ptr, m_ptr, dn_ptr, dnm_ptr, stoff, moff, dnoff, dnmoff, s, d, rmask, k, S, D,
-              a0, a1, a2, p, g, dr, row_max, row_sum, row_c, released):
-    """Total gradient of the new stack and mask at slot s + k: the incoming one plus
-    the read's, from values recomputed at that slot. Also returns what the k = 0
-    call needs for the action and gate gradients."""
+def _grad_of_new(new, new_m, dn_ptr, dnm_ptr, dnoff, dnmoff, s, d, rmask, k, S, D,
+                 g, dr, row_max, row_sum, row_c, released):
+    """Total gradient of the new stack and mask at slot s + k (``new``, ``new_m`` are
+    their recomputed values there): the incoming one plus the read's."""
     j = s + k
     valid = (j >= 0) & (j < S)
-    new, new_m, above, same, below, m_above, m_same, m_below = _updated(
-        st_ptr, m_ptr, stoff, moff, s, d, rmask, k, S, D, a0, a1, a2, p)
     score, gate_score = _scores(new, new_m, g, released)
     w = tl.where(valid[None, :], tl.exp(score - row_max[:, None]) / row_sum[:, None], 0.0)
     dw = tl.sum(dr[:, None, :] * new, axis=2)
@@ -188,7 +185,17 @@ def _grad_new(st_ptr, m_ptr, dn_ptr, dnm_ptr, stoff, moff, dnoff, dnmoff, s, d, 
     gm_new += dscore * tl.where(rel, 1.0e9, gate_score)
     g_new = tl.where(valid[None, :, None], g_new, 0.0)
     gm_new = tl.where(valid[None, :], gm_new, 0.0)
-    return g_new, gm_new, dscore, new, new_m, above, same, below, m_above, m_same, m_below
+    return g_new, gm_new, dscore
+
+
+@triton.jit
+def _grad_new(st_ptr, m_ptr, dn_ptr, dnm_ptr, stoff, moff, dnoff, dnmoff, s, d, rmask, k, S, D,
+              a0, a1, a2, p, g, dr, row_max, row_sum, row_c, released):
+    """:func:`_grad_of_new` at slot offset k, recomputing the new state there."""
+    new, new_m, _, _, _, _, _, _ = _updated(st_ptr, m_ptr, stoff, moff, s, d, rmask, k, S, D, a0, a1, a2, p)
+    g_new, gm_new, _ = _grad_of_new(new, new_m, dn_ptr, dnm_ptr, dnoff, dnmoff, s, d, rmask, k, S, D,
+                                    g, dr, row_max, row_sum, row_c, released)
+    return g_new, gm_new
 
 
 @triton.jit
@@ -203,7 +210,8 @@ def _step_backward(z_ptr, p_ptr, st_ptr, m_ptr, dr_ptr, de_ptr, dn_ptr, dnm_ptr,
     p = tl.load(p_ptr + poff[:, None] + d[None, :], mask=rmask[:, None] & dmask, other=0.0)
     dr = tl.load(dr_ptr + poff[:, None] + d[None, :], mask=rmask[:, None] & dmask, other=0.0)
     # Row statistics of the read softmax, from the slots themselves.
-    new, new_m, _, _, _, _, _, _ = _updated(st_ptr, m_ptr, stoff, moff, s, d, rmask, 0, S, D, a0, a1, a2, p)
+    new, new_m, above, same, below, m_above, m_same, m_below = _updated(
+        st_ptr, m_ptr, stoff, moff, s, d, rmask, 0, S, D, a0, a1, a2, p)
     score, _ = _scores(new, new_m, g, released)
     score = tl.where((s < S)[None, :], score, float("-inf"))
     row_max = tl.max(score, axis=1)
@@ -212,13 +220,12 @@ def _step_backward(z_ptr, p_ptr, st_ptr, m_ptr, dr_ptr, de_ptr, dn_ptr, dnm_ptr,
     w = e / row_sum[:, None]
     row_c = tl.sum(w * tl.sum(dr[:, None, :] * new, axis=2), axis=1)          # Σ_u w_u·dw_u
 
-    g0, gm0, dscore, new, new_m, above, same, below, m_above, m_same, m_below = _grad_new(
-        st_ptr, m_ptr, dn_ptr, dnm_ptr, stoff, moff, dnoff, dnmoff, s, d, rmask, 0, S, D,
-        a0, a1, a2, p, g, dr, row_max, row_sum, row_c, released)
-    g_up, gm_up, _, _, _, _, _, _, _, _, _ = _grad_new(
+    g0, gm0, dscore = _grad_of_new(new, new_m, dn_ptr, dnm_ptr, dnoff, dnmoff, s, d, rmask, 0, S, D,
+                                   g, dr, row_max, row_sum, row_c, released)
+    g_up, gm_up = _grad_new(
         st_ptr, m_ptr, dn_ptr, dnm_ptr, stoff, moff, dnoff, dnmoff, s, d, rmask, -1, S, D,
         a0, a1, a2, p, g, dr, row_max, row_sum, row_c, released)
-    g_down, gm_down, _, _, _, _, _, _, _, _, _ = _grad_new(
+    g_down, gm_down = _grad_new(
         st_ptr, m_ptr, dn_ptr, dnm_ptr, stoff, moff, dnoff, dnmoff, s, d, rmask, 1, S, D,
         a0, a1, a2, p, g, dr, row_max, row_sum, row_c, released)
 
