@@ -229,13 +229,14 @@ def stack_memory_reference(
             depth mode, ``[B, H, S, d]`` / ``[B, H, S]`` (the state before token 0) in
             temporal mode; zeros when None.
         attention_mask: ``[B, T]`` keep mask or None.
-        upcast: compute in fp32 and cast back (the truth); False keeps ``x``'s dtype.
+        upcast: compute in fp32 (fp64 for fp64) and cast back (the truth); False keeps
+            ``x``'s dtype (the same-dtype baseline).
     Returns:
         ``(out [B, T, D] in x.dtype, new_stack, new_mask, entropy [B, T, H])``; in
         temporal mode the new state is the one after the last token.
     """
     dtype = x.dtype
-    cx = x.float() if upcast else x
+    cx = x.to(torch.promote_types(x.dtype, torch.float32)) if upcast else x   # fp64 stays fp64
     cast = (lambda t: None if t is None else t.to(cx.dtype))
     logits, push = stack_memory_projections(cx, cast(action_weight), cast(down_weight), cast(action_bias),
                                             cast(down_bias), num_heads, attention_mask)

@@ -427,6 +427,14 @@ def test_device_mismatch_of_the_state_raises_on_meta():
         m(x, attention_mask=torch.ones(2, 5, dtype=torch.bool, device="meta"))
 
 
+def test_float64_module_keeps_float64():
+    m = _module().double()
+    out, state, _ = m(torch.randn(2, 3, 32, dtype=torch.float64))
+    assert out.dtype == torch.float64 and state.stack.dtype == torch.float64
+    _, state2, _ = m(torch.randn(2, 3, 32, dtype=torch.float64), state)
+    assert state2.num_layers == 2
+
+
 def test_action_temperature_is_sqrt_of_hidden_per_head():
     m = _module()
     x = torch.randn(1, 3, 32)
