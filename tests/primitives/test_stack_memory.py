@@ -146,10 +146,10 @@ def test_parameter_names_shapes_init_and_count():
                       "gate": (6,), "res_weight": ()}
     assert sum(p.numel() for p in m.parameters()) == 30_727  # the spec's count for D=512, H=4, d=6
     assert float(m.res_weight.detach()) == 1.0
-    assert abs(float(m.down_proj.weight.std()) - 0.02) < 2e-3
+    assert abs(float(m.down_proj.weight.detach().std()) - 0.02) < 2e-3
     with_bias = StackMemory(512, bias=True)
     assert sum(p.numel() for p in with_bias.parameters()) == 30_727 + 12 + 24 + 512
-    assert float(with_bias.action_head.bias.abs().sum()) == 0.0
+    assert float(with_bias.action_head.bias.detach().abs().sum()) == 0.0
 
 
 # ----------------------------------------------------------------------------
