@@ -27,6 +27,9 @@ _EXPORTS = {
     "shared_matrix": "shared_matrix",
     "siamese_boundary": "siamese_norm",
     "spelling_bee": "spelling_bee",
+    "stack_memory": "stack_memory",
+    "stack_scan": "stack_memory",
+    "stack_step": "stack_memory",
     "xsa": "xsa",
 }
 

@@ -35,6 +35,7 @@ MECHANISMS = [
     "shared_matrix",
     "hrm_refinement",
     "spelling_bee",
+    "stack_memory",
 ]
 
 
