@@ -108,7 +108,7 @@ def spelling_bee_reference(
 
 def _gpt2_unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's byte→unicode alphabet used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -318,7 +318,8 @@ class SpellingBeeEmbedding(nn.Module):
             from laminae.triton_ops.spelling_bee import spelling_bee
 
             if e_tok.dtype == torch.float64:
-                raise DTypeError("the Triton Spelling Bee supports fp32/bf16/fp16, got float64; use backend='reference'")
+                raise DTypeError("the Triton Spelling Bee supports fp32/bf16/fp16, got float64; "
+                                 "use backend='reference'")
             with torch.autocast(device_type=e_tok.device.type, enabled=False):
                 return spelling_bee(*args, **self._options())
         return spelling_bee_reference(*args, **self._options())
