@@ -275,6 +275,14 @@ class SpellingBeeEmbedding(nn.Module):
         self.baked = spelling_vectors(ids, weight, self.byte_ids, self.byte_len, **self._options()).to(weight.dtype)
         return self.baked
 
+    @torch.no_grad()
+    def fold_into_embedding(self, embedding_weight: torch.Tensor) -> torch.Tensor:
+        """For a dense token table E [V, d]: return E' = ½·(E + S), so inference is one
+        lookup ``E'[ids]`` and this module can be dropped from the inference graph."""
+        check_tensor("embedding_weight", embedding_weight, shape=(self.vocab_size, self.hidden_size))
+        baked = self.baked if self.baked is not None else self.bake_inference_table()
+        return (0.5 * (embedding_weight.float() + baked.float())).to(embedding_weight.dtype)
+
     def unbake(self) -> None:
         self.baked = None
 
