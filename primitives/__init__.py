@@ -10,6 +10,7 @@ from .elo_attention import EloAttention, EloAttentionCache, elo_attention_refere
 from .engram import (EngramLayerFusion, EngramModule, EngramState, MultiHeadHashLookup, TokenCompressor,
                      engram_fusion_gate_reference, engram_lookup_reference)
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
+from .leviathan import LeviathanGenerator, TokenIdError, leviathan_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
@@ -25,6 +26,7 @@ __all__ = [
     "EngramLayerFusion", "EngramModule", "EngramState", "MultiHeadHashLookup", "TokenCompressor",
     "engram_fusion_gate_reference", "engram_lookup_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
+    "LeviathanGenerator", "TokenIdError", "leviathan_reference",
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
     "MoMRead", "MoMReadState", "mom_read_reference",

@@ -20,6 +20,8 @@ _EXPORTS = {
     "engram_lookup": "engram",
     "flash_attention": "_flash",
     "laurel": "laurel",
+    "leviathan": "leviathan",
+    "leviathan_spline": "leviathan",
     "lucid_attention": "lucid_attention",
     "memory_caching": "memory_caching",
     "mom_read": "mom_read",

@@ -217,9 +217,16 @@ def _block_r_bwd(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
 
-def _bwd_warps(block_k: int, block_r: int) -> int:
-    # [κ, r] coefficient tile and its gradient stay resident across the token loop
-    return 8 if block_k * block_r >= 4096 else NUM_WARPS
+def _fwd_warps(block_k: int, block_r: int) -> int:
+    return 8 if block_k * block_r >= 2048 else NUM_WARPS
+
+
+def _bwd_config(block_k: int, block_r: int) -> tuple[int, int]:
+    """(BLOCK_N, num_warps): the [κ, r] coefficient tile and its gradient stay resident
+    across the token loop, so large tiles take more warps and fewer tokens per step
+    (measured with the sm_90 static check: no spills)."""
+    tile = block_k * block_r
+    return (16 if tile >= 2048 else BLOCK_N), (8 if tile >= 1024 else NUM_WARPS)
 
 
 @triton_op("laminae::leviathan_spline", mutates_args=())
@@ -244,7 +251,7 @@ def leviathan_spline(
         wrap_triton(_fwd_kernel)[(triton.cdiv(n, BLOCK_N), h, triton.cdiv(rank, block_r))](
             y0t, head_norm_weight, head_norm_bias, head_spline_delta, knot_grid, count, m, mean, rstd,
             n, d, knots, rank, h, float(knots - 1), BLOCK_N=BLOCK_N, BLOCK_R=block_r,
-            BLOCK_K=_block_k(knots), BLOCK_D=BLOCK_D, num_warps=NUM_WARPS,
+            BLOCK_K=_block_k(knots), BLOCK_D=BLOCK_D, num_warps=_fwd_warps(_block_k(knots), block_r),
         )
     return m, mean, rstd
 
@@ -264,11 +271,11 @@ def _leviathan_spline_bwd(
     dbeta = empty((h, d), dtype=torch.float32, device=dev)
     dy0t = empty_like(y0t)
     block_k, block_r = _block_k(knots), _block_r_bwd(rank)
+    block_n, warps = _bwd_config(block_k, block_r)
     wrap_triton(_bwd_spline_kernel)[(h, d)](
         y0t, head_norm_weight, head_norm_bias, head_spline_delta, knot_grid, count, m, dm, mean, rstd,
         dxhat, dwd, dgamma, dbeta, n, d, knots, rank, h, float(knots - 1),
-        BLOCK_N=BLOCK_N, BLOCK_R=block_r, BLOCK_K=block_k,
-        num_warps=_bwd_warps(block_k, block_r),
+        BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=warps,
     )
     if n:
         wrap_triton(_bwd_norm_kernel)[(triton.cdiv(n, BLOCK_N), h)](
@@ -374,16 +381,16 @@ def static_cases() -> Iterator[StaticCase]:
                          m_ptr="*fp32", mean_ptr="*fp32", rstd_ptr="*fp32", N="i32", D="i32", KNOTS="i32",
                          R="i32", H="i32", scale="fp32"),
                     dict(BLOCK_N=BLOCK_N, BLOCK_R=block_r, BLOCK_K=block_k,
-                         BLOCK_D=BLOCK_D), NUM_WARPS, tags={"dtype": dt})
+                         BLOCK_D=BLOCK_D), _fwd_warps(block_k, block_r), tags={"dtype": dt})
             for block_r in (16, 32, 64, 128):
+                block_n, warps = _bwd_config(block_k, block_r)
                 yield StaticCase(
                     "leviathan_bwd_spline", _bwd_spline_kernel,
                     dict(y0t_ptr=p, gamma_ptr=p, beta_ptr=p, wd_ptr=p, grid_ptr="*fp32", count_ptr="*i32",
                          m_ptr="*fp32", dm_ptr="*fp32", mean_ptr="*fp32", rstd_ptr="*fp32", dxhat_ptr="*fp32",
                          dwd_ptr="*fp32", dgamma_ptr="*fp32", dbeta_ptr="*fp32", N="i32", D="i32", KNOTS="i32",
                          R="i32", H="i32", scale="fp32"),
-                    dict(BLOCK_N=BLOCK_N, BLOCK_R=block_r, BLOCK_K=block_k),
-                    _bwd_warps(block_k, block_r), tags={"dtype": dt})
+                    dict(BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_K=block_k), warps, tags={"dtype": dt})
         yield StaticCase(
             "leviathan_bwd_norm", _bwd_norm_kernel,
             dict(y0t_ptr=p, dxhat_ptr="*fp32", mean_ptr="*fp32", rstd_ptr="*fp32", count_ptr="*i32",
