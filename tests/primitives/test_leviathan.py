@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
 from laminae.primitives.leviathan import (LeviathanGenerator, TokenIdError, leviathan_base, leviathan_basis,
@@ -32,6 +34,24 @@ def test_base_and_digits_worked_examples():
     ids = torch.arange(41**3)
     d = leviathan_digits(ids, 41, 3)
     assert torch.equal(d[:, 0] * 41**2 + d[:, 1] * 41 + d[:, 2], ids)
+
+
+@given(vocab=st.integers(1, 10**7), coords=st.integers(1, 4))
+def test_base_is_the_smallest_that_covers_the_vocabulary(vocab, coords):
+    base = leviathan_base(vocab, coords)
+    assert base**coords >= vocab and (base - 1) ** coords < vocab
+    ids = torch.tensor([0, vocab - 1, vocab // 2])
+    digits = leviathan_digits(ids, base, coords)
+    weights = torch.tensor([base ** (coords - 1 - i) for i in range(coords)])
+    assert torch.equal((digits * weights).sum(-1), ids) and int(digits.max()) < base
+
+
+@given(z=st.lists(st.floats(0.0, 1.0), min_size=1, max_size=20), knots=st.integers(2, 64))
+def test_basis_is_a_partition_of_unity_with_three_knots(z, knots):
+    grid = leviathan_knot_grid(knots, torch.float64)
+    basis = leviathan_basis(torch.tensor(z, dtype=torch.float64), grid)
+    assert torch.all(basis >= 0) and int((basis > 1e-12).sum(-1).max()) <= 3
+    torch.testing.assert_close(basis.sum(-1), torch.ones(len(z), dtype=torch.float64))
 
 
 def test_seed_is_the_sum_of_one_codebook_row_per_digit():
