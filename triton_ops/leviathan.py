@@ -72,7 +72,8 @@ def _fwd_kernel(y0t_ptr, gamma_ptr, beta_ptr, wd_ptr, grid_ptr, count_ptr, m_ptr
     for j0 in range(0, D, BLOCK_D):
         jj = j0 + tl.arange(0, BLOCK_D)
         m2 = (jj < D)[:, None] & row_ok[None, :]
-        acc += tl.sum(tl.load(y_base + jj[:, None].to(tl.int64) * N + rows[None, :], mask=m2, other=0.0).to(tl.float32), axis=0)
+        y = tl.load(y_base + jj[:, None].to(tl.int64) * N + rows[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc += tl.sum(y, axis=0)
     mean = acc / D
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j0 in range(0, D, BLOCK_D):

@@ -156,7 +156,8 @@ def test_opcheck_schema_and_autograd_registration():
 
 @pytest.mark.gpu
 def test_opcheck_full_gpu():
-    torch.library.opcheck(leviathan_spline, _spline_args(n=100, modes=8, seed_dim=128, knots=16, rank=64, device="cuda"))
+    args = _spline_args(n=100, modes=8, seed_dim=128, knots=16, rank=64, device="cuda")
+    torch.library.opcheck(leviathan_spline, args)
 
 
 @pytest.mark.gpu
