@@ -305,6 +305,15 @@ class LeviathanGenerator(nn.Module):
                           stacklevel=3)
         return "reference"
 
+    @torch.no_grad()
+    def embedding_table(self, chunk_size: int = 8192) -> torch.Tensor:
+        """The frozen ``[V, D]`` table of every id's embedding, for inference by gather
+        (``F.embedding(ids, table)``). It is a snapshot: recompute it after any change
+        to the parameters. Built ``chunk_size`` ids at a time to bound the reference's memory."""
+        check_positive_int("chunk_size", chunk_size)
+        ids = torch.arange(self.vocab_size, device=self.codebooks.device)
+        return torch.cat([self(chunk) for chunk in ids.split(chunk_size)])
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         check_tensor("input_ids", input_ids, dtypes=ID_DTYPES)
         check_same_device(input_ids=input_ids, codebooks=self.codebooks)

@@ -209,6 +209,14 @@ def test_attention_mask_padding_never_reaches_kept_positions():
     assert torch.all(out[0, 2:] == 0)
 
 
+def test_frozen_embedding_table_matches_the_generator():
+    gen = _tiny(torch.float32, vocab_size=200, seed_dim=8)
+    table = gen.embedding_table(chunk_size=64)
+    assert table.shape == (200, 5) and not table.requires_grad
+    ids = torch.randint(0, 200, (3, 7))
+    torch.testing.assert_close(torch.nn.functional.embedding(ids, table), gen(ids).detach(), atol=1e-7, rtol=1e-6)
+
+
 def test_kwargs_from_neollm_config():
     cfg = {"vocab_size": 64402, "hidden_size": 512, "generator_d_seed": 128, "generator_num_modes": 8,
            "generator_num_knots": 16, "generator_spline_degree": 2, "generator_k": 3, "generator_krank": 64,
