@@ -339,6 +339,8 @@ def leviathan(
     :func:`distinct_ids`), ``False`` evaluates every token. Parameters fp32/bf16/fp16;
     returns ``[*input_ids.shape, D]`` in their dtype.
     """
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise DTypeError(f"`input_ids` must have an integer dtype, got {input_ids.dtype}")
     dtype = codebooks.dtype
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise DTypeError(f"Triton Leviathan supports fp32/bf16/fp16 parameters, got {dtype}")

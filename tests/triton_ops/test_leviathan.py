@@ -116,6 +116,8 @@ def test_triton_rejects_float64_and_unsupported_sizes():
     inp = _inputs(30, 5, 4, 2, 8, 2, 3, (4,), dtype=torch.float64)
     with pytest.raises(DTypeError):
         leviathan(**inp)
+    with pytest.raises(DTypeError, match="input_ids"):
+        leviathan(**{**_inputs(30, 5, 4, 2, 8, 2, 3, (4,)), "input_ids": torch.ones(4, device=DEVICE)})
     gen = LeviathanGenerator(30, 5, 4, 2, 40, 2, 2, 3, backend="triton").to(DEVICE)
     with pytest.raises(ConfigError, match="num_knots=40"):
         gen(torch.tensor([1, 2], device=DEVICE))
