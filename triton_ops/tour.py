@@ -36,6 +36,7 @@ MECHANISMS = [
     "hrm_refinement",
     "spelling_bee",
     "stack_memory",
+    "leviathan",
 ]
 
 
