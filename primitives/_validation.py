@@ -59,17 +59,47 @@ def check_same_dtype(**tensors: torch.Tensor | None) -> None:
 
 
 def check_keep_mask(name: str, mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-    """A 2-D (batch, length) keep mask of 0/1 (bool or numeric)."""
+    """A 2-D ``(batch, length)`` keep mask: bool, or numeric holding only 0 and 1
+    (True/1 = keep). Additive float masks (0 = keep, −inf = drop, the Hugging Face
+    convention) are refused: read as a keep mask they would be silently inverted.
+
+    The value scan reads the mask on the host, so it is skipped while compiling."""
     if mask is None:
         return None
     check_tensor(name, mask, dtypes=None, shape=(batch, length), layout="(batch, seq) keep mask")
-    if mask.dtype != torch.bool:
-        if mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
-            if not bool(((mask == 0) | (mask == 1)).all()):
-                raise ValueError(f"`{name}` must contain only 0 and 1 (a keep mask), got other values")
-        else:
-            raise DTypeError(f"`{name}` must be bool or a 0/1 numeric tensor, got {mask.dtype}")
+    if mask.dtype == torch.bool:
+        return mask
+    if not (mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
+                                                       torch.uint8)):
+        raise DTypeError(f"`{name}` must be bool or a 0/1 numeric tensor, got {mask.dtype}")
+    if torch.compiler.is_compiling() or mask.device.type == "meta":
+        return mask
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        hint = ""
+        if mask.is_floating_point() and bool((mask < 0).any()):
+            hint = (" It looks like an additive mask (0 = keep, -inf or a large negative = drop); "
+                    f"pass `{name}=(mask == 0)` instead.")
+        raise ValueError(f"`{name}` must be a keep mask (bool, or only 0 and 1; True/1 = keep), got other values "
+                         f"(min {float(mask.min())}, max {float(mask.max())}).{hint}")
     return mask
+
+
+def zero_padding(mask: torch.Tensor | None, *tensors: torch.Tensor | None) -> tuple:
+    """Each ``[batch, seq, ...]`` tensor with its positions where ``mask`` (``(batch,
+    seq)`` keep mask) is 0 replaced by 0, so padding contents (even NaN or inf) cannot
+    reach kept positions through a ``0 · x`` inside a masked product. ``torch.where``,
+    not a multiplication: 0 · NaN is NaN."""
+    if mask is None:
+        return tensors
+    keep = mask.bool()
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        k = keep.to(t.device).view(*keep.shape, *([1] * (t.dim() - 2)))
+        out.append(torch.where(k, t, torch.zeros((), dtype=t.dtype, device=t.device)))
+    return tuple(out)
 
 
 def check_positive_int(name: str, value: object) -> int:

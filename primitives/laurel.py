@@ -54,7 +54,9 @@ def laurel_reference(
         ``y`` with the shape and dtype of ``f``.
     """
     dtype = f.dtype
-    cf, cx = (f.float(), x.float()) if upcast else (f, x)
+    # fp32 for fp32/bf16/fp16, fp64 stays fp64 (gradcheck and fp64 users get fp64 math)
+    compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
+    cf, cx = f.to(compute), x.to(compute)
     u = cx
     if lr_A is not None:
         # matmuls in model dtype with fp32 accumulation, as the spec prescribes
