@@ -3,6 +3,7 @@ expected and what was received, so the caller can fix the call without reading
 the source."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -117,3 +118,52 @@ def check_positive_float(name: str, value: object) -> float:
 def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
     if value not in choices:
         raise ConfigError(f"`{name}` must be one of {list(choices)}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------
+# The cast policy (docs/protocol.md, "Autocast and dtypes")
+# ----------------------------------------------------------------------------
+
+
+def autocast_active(device_type: str) -> bool:
+    return torch.is_autocast_enabled(device_type)
+
+
+def match_activation_dtypes(**tensors: torch.Tensor | None) -> tuple:
+    """The activations of one call in one dtype.
+
+    Outside autocast they must already share it (``DTypeError`` otherwise: a silent cast
+    would hide a bug). Under ``torch.autocast`` a block receives what autocast produced
+    (a bf16 sublayer output next to an fp32 residual stream): they are promoted to the
+    widest dtype among them, as ``a + b`` would, and the block returns that dtype."""
+    present = [t for t in tensors.values() if t is not None]
+    if not present:
+        return tuple(tensors.values())
+    dtypes = {t.dtype for t in present}
+    if len(dtypes) == 1:
+        return tuple(tensors.values())
+    if not autocast_active(present[0].device.type):
+        check_same_dtype(**tensors)
+    common = present[0].dtype
+    for t in present[1:]:
+        common = torch.promote_types(common, t.dtype)
+    return tuple(None if t is None else t.to(common) for t in tensors.values())
+
+
+def check_param_dtype(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Outside autocast, an activation that meets a module's own weights in a matmul
+    must have their dtype (a bf16 input to an fp32 module raises DTypeError, not a
+    raw torch error). Under autocast the matmul casts both."""
+    if x.dtype != weight.dtype and not autocast_active(x.device.type):
+        raise DTypeError(
+            f"`{name}` has dtype {str(x.dtype).replace('torch.', '')} but the module's parameters are "
+            f"{str(weight.dtype).replace('torch.', '')}: convert the module (module.to(dtype)) or the input, "
+            "or run under torch.autocast")
+
+
+def without_autocast(device_type: str):
+    """The block's own math runs with autocast off, on the dtypes the policy chose, so
+    the reference and the kernels compute the same thing (fp32 accumulation)."""
+    if not torch.amp.is_autocast_available(device_type):   # e.g. meta tensors
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)

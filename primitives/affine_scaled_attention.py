@@ -36,6 +36,8 @@ from ._validation import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    match_activation_dtypes,
+    without_autocast,
     zero_padding,
 )
 
@@ -280,6 +282,14 @@ class AffineScaledAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: AffineScaledAttentionCache | None = None,
     ) -> tuple[torch.Tensor, AffineScaledAttentionCache | None]:
+        check_tensor("q", q, ndim=4, layout="[batch, seq, num_heads, head_dim]")
+        check_tensor("k", k, ndim=4, layout="[batch, keys, num_kv_heads, head_dim]")
+        check_tensor("v", v, ndim=4, layout="[batch, keys, num_kv_heads, head_dim]")
+        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
+        with without_autocast(q.device.type):
+            return self._forward(x, q, k, v, attention_mask, cache)
+
+    def _forward(self, x, q, k, v, attention_mask, cache):
         self._check(x, q, k, v, attention_mask, cache)
         S = q.shape[1]
         k, v = zero_padding(attention_mask, k, v)

@@ -44,6 +44,8 @@ from ._validation import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    match_activation_dtypes,
+    without_autocast,
     zero_padding,
 )
 
@@ -287,7 +289,7 @@ class DERFAttention(nn.Module):
         check_tensor("k", k, shape=(q.shape[0], None, self.num_kv_heads, self.head_dim),
                      layout="[batch, keys, num_kv_heads, head_dim]")
         check_tensor("v", v, shape=tuple(k.shape), layout="[batch, keys, num_kv_heads, head_dim]")
-        check_same_dtype(q=q, k=k, v=v)
+        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
         if cache is not None:
             if not isinstance(cache, DERFCache):
                 raise TypeError(f"`cache` must be a DERFCache or None, got {type(cache).__name__}")
@@ -310,11 +312,12 @@ class DERFAttention(nn.Module):
             cache = cache.append(k, v, attention_mask)
             keys, values, key_mask = cache.key, cache.value, cache.keep
             check_derf_attention_inputs(q, keys, values, *params, None)
-        if resolve_backend(self.backend, q, keys, values) == "triton":
-            from laminae.triton_ops.derf import launch_derf_attention
+        with without_autocast(q.device.type):
+            if resolve_backend(self.backend, q, keys, values) == "triton":
+                from laminae.triton_ops.derf import launch_derf_attention
 
-            return launch_derf_attention(q, keys, values, *params, key_mask), cache
-        return derf_attention_reference(q, keys, values, *params, key_mask), cache
+                return launch_derf_attention(q, keys, values, *params, key_mask), cache
+            return derf_attention_reference(q, keys, values, *params, key_mask), cache
 
 
 class DERFContextGate(nn.Module):
@@ -358,15 +361,16 @@ class DERFContextGate(nn.Module):
         if x.shape != retrieved.shape:
             raise ShapeError(
                 f"`x` must have the shape of `retrieved` {tuple(retrieved.shape)}, got {tuple(x.shape)}")
-        check_same_dtype(retrieved=retrieved, x=x)
         check_same_device(retrieved=retrieved, x=x, weight=self.proj.weight)
+        retrieved, x = match_activation_dtypes(retrieved=retrieved, x=x)
         if not torch.is_autocast_enabled(retrieved.device.type) and retrieved.dtype != self.proj.weight.dtype:
             raise DTypeError(
                 f"`retrieved`/`x` dtype must match the module parameters ({self.proj.weight.dtype}) "
                 f"outside autocast, got {retrieved.dtype}")
         logits = self.proj(torch.cat([retrieved, x], dim=-1))
-        if resolve_backend(self.backend, retrieved, logits) == "triton":
-            from laminae.triton_ops.derf import derf_context_gate
+        with without_autocast(retrieved.device.type):
+            if resolve_backend(self.backend, retrieved, logits) == "triton":
+                from laminae.triton_ops.derf import derf_context_gate
 
-            return derf_context_gate(retrieved, logits, self.alpha, self.bias, self.gamma)
-        return derf_context_gate_reference(retrieved, logits, self.alpha, self.bias, self.gamma)
+                return derf_context_gate(retrieved, logits, self.alpha, self.bias, self.gamma)
+            return derf_context_gate_reference(retrieved, logits, self.alpha, self.bias, self.gamma)

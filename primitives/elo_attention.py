@@ -44,6 +44,8 @@ from ._validation import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    match_activation_dtypes,
+    without_autocast,
     zero_padding,
 )
 
@@ -273,6 +275,7 @@ class EloAttention(nn.Module):
         check_tensor("k", k, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
         check_tensor("v", v, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
         check_same_device(q=q, k=k, v=v, attention_mask=attention_mask)
+        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
         # the shared helper: an additive 0/-inf mask is refused, never silently inverted
         check_keep_mask("attention_mask", attention_mask, B, S)
         # a padded query zeroed has a uniform match, so it adds no rating (and its
@@ -292,11 +295,12 @@ class EloAttention(nn.Module):
             cache = cache.append(k, v, attention_mask)
             keys, values, mask = cache.key, cache.value, cache.keep
         check_elo_attention_inputs(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
-        if resolve_backend(self.backend, q, keys, values) == "triton":
-            from laminae.triton_ops.elo_attention import launch_elo_attention
+        with without_autocast(q.device.type):
+            if resolve_backend(self.backend, q, keys, values) == "triton":
+                from laminae.triton_ops.elo_attention import launch_elo_attention
 
-            out, rating = launch_elo_attention(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
-        else:
-            out, rating = elo_attention_reference(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
+                out, rating = launch_elo_attention(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
+            else:
+                out, rating = elo_attention_reference(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
         cache.rating = rating.detach()  # the new cache object, not the caller's
         return out, cache

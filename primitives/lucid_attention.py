@@ -32,7 +32,7 @@ from ._backend import Backend, check_backend, resolve_backend
 from ._cache import AppendBuffer, DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ._validation import (check_keep_mask, check_positive_int, check_same_device, check_same_dtype, check_tensor,
-                          zero_padding)
+                          match_activation_dtypes, without_autocast, zero_padding)
 
 __all__ = [
     "LUCID_ATTENTION_EPS",
@@ -385,6 +385,13 @@ class LucidAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: LucidCache | None = None,
                 ) -> tuple[torch.Tensor, LucidCache]:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(name, t, ndim=4, layout="[batch, seq, heads, head_dim]")
+        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
+        with without_autocast(q.device.type):
+            return self._forward(q, k, v, attention_mask, cache)
+
+    def _forward(self, q, k, v, attention_mask, cache):
         self._check(q, k, v, attention_mask, cache)
         eps, unit = self.lucid_attention_eps, self.unit_diagonal
         use_triton = resolve_backend(self.backend, q, k, v) == "triton"

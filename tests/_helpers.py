@@ -4,9 +4,11 @@ from __future__ import annotations
 from typing import Callable, Mapping, Sequence
 
 import torch
-from hypothesis import strategies as st
+from hypothesis import strategies as st  # noqa: F401  (test files import it from here too)
 
-from laminae.triton_ops._parity import parity
+import laminae.triton_ops.testing as public
+
+from laminae.triton_ops.testing import parity
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -25,9 +27,9 @@ def randn(*shape, dtype=torch.float32, scale: float = 1.0, generator=None) -> to
     return (torch.randn(*shape, generator=generator) * scale).to(dtype=dtype, device=DEVICE)
 
 
-# Value scales, not only shapes: tiny, unit and large magnitudes.
-scales = st.sampled_from([1e-2, 1.0, 4.0])
-seeds = st.integers(min_value=0, max_value=2**16)
+# Value scales, not only shapes: tiny, unit and large magnitudes (the public strategies).
+scales = public.scales()
+seeds = public.seeds()
 
 
 def keep_mask(batch: int, length: int, gen: torch.Generator, p_drop: float = 0.3) -> torch.Tensor:

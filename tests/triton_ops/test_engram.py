@@ -151,7 +151,7 @@ def test_modules_backends_agree_and_decode_equals_forward():
     results = []
     for backend in ("reference", "triton"):
         engram.lookup.backend = fusion.backend = backend
-        res = engram.forward_with_state(x)
+        res = engram(x)
         y = fusion(x, res.retrieved)
         loss = (res.output * upstream).sum() + (y * y).sum()
         params = [t.weight for t in engram.lookup.tables] + list(fusion.parameters())
@@ -162,13 +162,13 @@ def test_modules_backends_agree_and_decode_equals_forward():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     # prefill 4 tokens, then one token at a time (n-grams straddle every boundary)
     engram.lookup.backend = "triton"
-    full = engram.forward_with_state(x).retrieved
-    res = engram.forward_with_state(x[:, :4])
-    reads, state = [res.retrieved], res.state
+    full = engram(x).retrieved
+    res = engram(x[:, :4])
+    reads, state = [res.retrieved], res.cache
     for t in range(4, 9):
-        res = engram.forward_with_state(x[:, t:t + 1], state)
+        res = engram(x[:, t:t + 1], state)
         reads.append(res.retrieved)
-        state = res.state
+        state = res.cache
     assert torch.equal(torch.cat(reads, 1), full)
 
 
@@ -243,7 +243,7 @@ def test_compile_fullgraph_smoke():
 
     def step(x):
         read = engram.retrieve(x)
-        return fusion(x, read) + engram(x, retrieved=read)
+        return fusion(x, read) + engram(x, retrieved=read).output
 
     y = torch.compile(step, fullgraph=True)(x)
     y.sum().backward()
