@@ -4,8 +4,10 @@ Pages are discovered, not listed, so a new mechanism page is tested the day it
 lands. The blocks of one page run in order in one namespace (a later block may use
 names from an earlier one), on CPU. A block that is an API sketch, not a program, is
 marked with the HTML comment ``<!-- sketch -->`` on the line just above its fence;
-it is then only compiled (it must still be valid Python).
+it must still be valid Python, and its imports run (every name the docs import is
+exported where they import it).
 """
+import ast
 import pathlib
 import re
 
@@ -29,8 +31,11 @@ def blocks(page: pathlib.Path):
 def test_python_blocks_run(page):
     namespace = {"__name__": f"doc:{page.name}"}
     for line, code, sketch in blocks(page):
-        compiled = compile(code, f"{page.relative_to(ROOT)}:{line}", "exec")
+        where = f"{page.relative_to(ROOT)}:{line}"
+        compiled = compile(code, where, "exec")
         if sketch:
+            imports = [node for node in ast.parse(code).body if isinstance(node, (ast.Import, ast.ImportFrom))]
+            exec(compile(ast.Module(body=imports, type_ignores=[]), where, "exec"), {})  # noqa: S102
             continue
         torch.manual_seed(0)
         exec(compiled, namespace)  # noqa: S102 - the docs are this repository's own

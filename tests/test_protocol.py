@@ -39,8 +39,9 @@ def test_two_next_steps_from_one_cache_are_both_right(block):
     with torch.no_grad():
         full_a, _ = block.run(m, a, None, None)
         full_b, _ = block.run(m, b, None, None)
-        _, prefix = block.run(m, a[:, :5], None, None)
-        length = prefix.length
+        _, prefix = block.run(m, a[:, :4], None, None)
+        _, prefix = block.run(m, a[:, 4:5], None, prefix)   # the prefix's storage now has spare room,
+        length = prefix.length                              # so both branches could write into it
         outs = {"a": [], "b": []}
         caches = {"a": prefix, "b": prefix}
         for t in range(5, 9):
@@ -202,3 +203,15 @@ def test_package_metadata():
     assert laminae.__version__ == version("laminae")
     pins = " ".join(requires("laminae"))
     assert "numpy<2.4" in pins.replace(" ", "")
+
+
+def test_tour_takes_device_and_dtype(capsys):
+    from laminae.triton_ops import tour
+
+    with pytest.raises(SystemExit):
+        tour.main(["xsa", "--dtype", "bfloat16", "--device", "cpu"])
+    assert "needs --device cuda" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            tour.main(["xsa", "--device", "cuda"])
+    assert tour.main(["xsa", "--reps", "1", "--device", "cpu", "--dtype", "float32"]) == 0

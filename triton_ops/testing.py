@@ -17,6 +17,9 @@ random upstream gradient through every floating output, and compares outputs and
 every named gradient. fp32/fp64: the reference on the same inputs, within
 :data:`TOLERANCES`. bf16/fp16: the truth is the reference in fp32, and the op may be
 at most twice as far from it as the same-dtype reference, plus the dtype's atol.
+``parity_float64`` bounds an fp32 op's relative RMSE against the reference run in
+float64 (2e-5): a uniform ×1.001 error in any gradient fails it, which element-wise
+fp32 tolerances let through.
 ``hypothesis`` is only needed for the strategies (the ``test`` extra).
 """
 from __future__ import annotations
@@ -25,9 +28,11 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ._parity import TOLERANCES, Comparison, ParityResult, compare, parity, tolerance
+from ._parity import (FLOAT64_ABS_RMS, FLOAT64_REL_RMSE, TOLERANCES, Comparison, ParityResult, compare, parity,
+                      parity_float64, tolerance)
 
-__all__ = ["TOLERANCES", "Comparison", "ParityResult", "compare", "parity", "tolerance", "assert_parity",
+__all__ = ["TOLERANCES", "FLOAT64_REL_RMSE", "FLOAT64_ABS_RMS", "Comparison", "ParityResult", "compare", "parity",
+           "parity_float64", "tolerance", "assert_parity",
            "keep_mask", "scales", "seeds", "attention_shapes", "lengths"]
 
 
