@@ -151,3 +151,14 @@ def test_block_decodes_with_branching_under_autocast(kind, backend):
             full, _ = model(seq)
             torch.testing.assert_close(torch.cat(outs, 1).float(), full[:, 4:].float(), atol=3e-2, rtol=3e-2)
         assert shared.length == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ALL)
+def test_block_trains_under_cuda_autocast(kind, dtype):
+    model = TinyGPT(kind).cuda().eval()
+    tokens = _tokens().cuda()
+    with torch.autocast("cuda", dtype=dtype):
+        loss, grads = _loss_and_grads(model, tokens, None)
+    assert torch.isfinite(loss) and all(g is None or torch.isfinite(g).all() for g in grads)
