@@ -31,7 +31,8 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, ShapeError
-from ._validation import FLOAT_DTYPES, check_param_dtype, check_positive_int, check_same_device, check_tensor
+from ._validation import (FLOAT_DTYPES, check_keep_mask, check_param_dtype, check_positive_int, check_same_device,
+                          check_tensor, zero_padding)
 
 __all__ = [
     "GATE_FLOOR",
@@ -65,17 +66,27 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # ----------------------------------------------------------------------------
 
 
-def mom_prefix_mean(x: torch.Tensor, prefix_sum: torch.Tensor | None = None, count: int = 0) -> torch.Tensor:
+def mom_prefix_mean(x: torch.Tensor, prefix_sum: torch.Tensor | None = None, count: int = 0,
+                    keep: torch.Tensor | None = None, prefix_kept: torch.Tensor | None = None) -> torch.Tensor:
     """Causal prefix mean ``h_t = mean(x_0..x_t)`` in fp32 (fp64 for fp64 input).
 
     ``x`` ``[B, S, D]``. With ``prefix_sum`` ``[B, D]`` (the fp32 sum of the ``count``
-    tokens before this chunk) the chunk continues a running mean: decoding.
+    tokens before this chunk) the chunk continues a running mean: decoding. With a
+    ``(B, S)`` keep mask the mean runs over kept tokens only (``prefix_kept`` ``[B]``:
+    kept tokens before this chunk); a position with no kept token so far gets 0.
     """
-    cs = torch.cumsum(x.to(_compute_dtype(x.dtype)), dim=1)
+    xc = x.to(_compute_dtype(x.dtype))
+    if keep is not None:
+        xc = torch.where(keep.to(x.device).bool()[..., None], xc, torch.zeros((), dtype=xc.dtype, device=x.device))
+    cs = torch.cumsum(xc, dim=1)
     if prefix_sum is not None:
         cs = cs + prefix_sum.to(cs.dtype).unsqueeze(1)
-    denom = torch.arange(count + 1, count + x.shape[1] + 1, device=x.device, dtype=cs.dtype)
-    return cs / denom.view(1, -1, 1)
+    if keep is None and prefix_kept is None:
+        denom = torch.arange(count + 1, count + x.shape[1] + 1, device=x.device, dtype=cs.dtype)
+        return cs / denom.view(1, -1, 1)
+    kept = torch.ones(x.shape[:2], dtype=cs.dtype, device=x.device) if keep is None else keep.to(x.device, cs.dtype)
+    before = prefix_kept.to(cs.dtype)[:, None] if prefix_kept is not None else float(count)
+    return cs / (before + torch.cumsum(kept, dim=1)).clamp_min(1.0)[..., None]
 
 
 def mom_router_logits(h: torch.Tensor, router_down_weight: torch.Tensor,
@@ -284,8 +295,10 @@ class MoMReadCache(DecodingCache):
         out, cache = mom(x_next, bank, cache=cache)      # one token at a time
     """
 
-    def __init__(self, prefix_sum: torch.Tensor | None = None, count: int = 0, config: dict | None = None) -> None:
-        self.prefix_sum, self.count, self.config = prefix_sum, int(count), dict(config or {})
+    def __init__(self, prefix_sum: torch.Tensor | None = None, count: int = 0, config: dict | None = None,
+                 kept: torch.Tensor | None = None) -> None:
+        # kept: [B] kept tokens so far, None while no padding mask was ever passed (= count)
+        self.prefix_sum, self.count, self.config, self.kept = prefix_sum, int(count), dict(config or {}), kept
 
     @property
     def length(self) -> int:
@@ -296,7 +309,7 @@ class MoMReadCache(DecodingCache):
         return None if self.prefix_sum is None else self.prefix_sum.shape[0]
 
     def reset(self) -> None:
-        self.prefix_sum, self.count = None, 0
+        self.prefix_sum, self.count, self.kept = None, 0, None
 
 
 MoMReadState = MoMReadCache  # the earlier name
@@ -436,15 +449,22 @@ class MoMRead(nn.Module):
                              layout="(batch, hidden)")
                 check_same_device(x=x, prefix_sum=state.prefix_sum)
 
-    def forward(self, x: torch.Tensor, M_blocks: torch.Tensor,
+    def forward(self, x: torch.Tensor, M_blocks: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: MoMReadCache | None = None) -> MoMReadOutput:
-        """``x`` ``[B, S, D]`` (the ``mom_norm`` output), ``M_blocks`` ``[E, bs·D]``.
-        Returns ``(y [B, S, D], cache)``; the cache passed in is unchanged."""
+        """``x`` ``[B, S, D]`` (the ``mom_norm`` output), ``M_blocks`` ``[E, bs·D]``,
+        ``attention_mask`` an optional ``(B, S)`` keep mask: the router's prefix mean then
+        runs over kept tokens only (padding never reaches a kept token; the load-balance
+        statistics still count every row). Returns ``(y [B, S, D], cache)``; the cache
+        passed in is unchanged."""
         state = cache
         self._check(x, M_blocks, state)
         B, S, D = x.shape
+        check_same_device(x=x, attention_mask=attention_mask)
+        check_keep_mask("attention_mask", attention_mask, B, S)
+        (x,) = zero_padding(attention_mask, x)
         prefix_sum, count = (state.prefix_sum, state.count) if state is not None else (None, 0)
-        h = mom_prefix_mean(x, prefix_sum, count)
+        prefix_kept = state.kept if state is not None else None
+        h = mom_prefix_mean(x, prefix_sum, count, attention_mask, prefix_kept)
         # Router first, before any read computation: the Gumbel draw sits at the same
         # point of the RNG stream as in the seed.
         logits = mom_router_logits(h, self.router_down.weight, self.router_up.weight)
@@ -471,4 +491,9 @@ class MoMRead(nn.Module):
             running = x.to(_compute_dtype(x.dtype)).sum(dim=1)
             if prefix_sum is not None:
                 running = running + prefix_sum.to(running.dtype)
-        return MoMReadOutput(y, MoMReadCache(running, count + S, {"hidden_size": self.hidden_size}))
+            kept = None
+            if attention_mask is not None or prefix_kept is not None:
+                new = (torch.full((B,), float(S), device=x.device) if attention_mask is None
+                       else attention_mask.to(x.device, torch.float32).sum(1))
+                kept = new + (prefix_kept if prefix_kept is not None else float(count))
+        return MoMReadOutput(y, MoMReadCache(running, count + S, {"hidden_size": self.hidden_size}, kept))

@@ -43,7 +43,7 @@ BANK = MoMRead.init_bank(4, 2, HIDDEN, generator=torch.Generator().manual_seed(0
 
 
 def _mom_run(module, x, mask, cache):
-    out, cache = module(x, BANK.to(x.dtype), cache=cache)
+    out, cache = module(x, BANK.to(x.dtype), mask, cache=cache)
     return out, cache
 
 
@@ -75,7 +75,7 @@ BLOCKS = [
     Block("lucid_attention", lambda be: LucidAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be), _attention_run),
     Block("memory_caching", lambda be: MemoryCacheBranch(HIDDEN, 2, 4, segment_len=3, gate_dim=4, backend=be).eval(),
           _mc_run),
-    Block("mom_read", lambda be: _mom(be), _mom_run, masked=False),
+    Block("mom_read", lambda be: _mom(be), _mom_run),
     Block("engram", lambda be: EngramModule(HIDDEN, 8, num_heads=2, table_size=31, gate_init_bias=0.5,
                                             backend=be).eval(), _engram_run, masked=False),
 ]

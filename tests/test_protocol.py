@@ -215,3 +215,24 @@ def test_tour_takes_device_and_dtype(capsys):
         with pytest.raises(SystemExit):
             tour.main(["xsa", "--device", "cuda"])
     assert tour.main(["xsa", "--reps", "1", "--device", "cpu", "--dtype", "float32"]) == 0
+
+
+def test_mom_router_mean_ignores_left_padding_and_decodes():
+    """The router's causal mean runs over kept tokens: a left-padded row gives the
+    outputs of the same tokens without padding, in a full forward and when decoding."""
+    block = BY_NAME["mom_read"]
+    m = block.build("reference")
+    x = _x(B=1, T=6)
+    padded = torch.cat([_x(B=1, T=2, seed=5), x], 1)
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    mask[:, :2] = False
+    with torch.no_grad():
+        plain, _ = block.run(m, x, None, None)
+        out, _ = block.run(m, padded, mask, None)
+        _, cache = block.run(m, padded[:, :5], mask[:, :5], None)
+        steps = []
+        for t in range(5, 8):
+            step, cache = block.run(m, padded[:, t:t + 1], None, cache)
+            steps.append(step)
+    torch.testing.assert_close(out[:, 2:], plain, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, 1), plain[:, 3:], atol=1e-6, rtol=1e-5)
