@@ -2,19 +2,20 @@
 
 Importing this package never imports Triton; the kernels load lazily on first use
 of ``backend="triton"`` (or "auto" on CUDA)."""
-from ._backend import BACKENDS, resolve_backend
+from ._backend import BACKENDS, resolve_backend, set_backend, use_backend
+from ._cache import AppendBuffer, DecodingCache, KVCache
 from ._errors import BackendUnavailableError, ConfigError, DeviceError, DTypeError, ShapeError
 from .affine_scaled_attention import AffineScaledAttention, AffineScaledAttentionCache, affine_scaled_attention_reference
 from .derf import DERFAttention, DERFCache, DERFContextGate, derf_attention_reference, derf_context_gate_reference
 from .elo_attention import EloAttention, EloAttentionCache, elo_attention_reference
-from .engram import (EngramLayerFusion, EngramModule, EngramState, MultiHeadHashLookup, TokenCompressor,
+from .engram import (EngramCache, EngramLayerFusion, EngramModule, EngramState, MultiHeadHashLookup, TokenCompressor,
                      engram_fusion_gate_reference, engram_lookup_reference)
 from .hrm_refinement import HRMRefinementBlock, HRMRMSNorm, hrm_refinement_reference
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .leviathan import LeviathanGenerator, TokenIdError, leviathan_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
-from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
-from .mom_read import MoMRead, MoMReadState, mom_read_reference
+from .memory_caching import MemoryCacheBranch, MemoryCacheState, MemoryCachingCache, memory_caching_reference
+from .mom_read import MoMRead, MoMReadCache, MoMReadState, mom_read_reference
 from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
 from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
@@ -33,19 +34,20 @@ from .norms import RMSNorm, rms_norm
 from .rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from .swiglu import SwiGLU
 __all__ = [
-    "BACKENDS", "resolve_backend",
+    "BACKENDS", "resolve_backend", "set_backend", "use_backend",
+    "AppendBuffer", "DecodingCache", "KVCache",
     "BackendUnavailableError", "ConfigError", "DeviceError", "DTypeError", "ShapeError",
     "AffineScaledAttention", "AffineScaledAttentionCache", "affine_scaled_attention_reference",
     "DERFAttention", "DERFCache", "DERFContextGate", "derf_attention_reference", "derf_context_gate_reference",
     "EloAttention", "EloAttentionCache", "elo_attention_reference",
-    "EngramLayerFusion", "EngramModule", "EngramState", "MultiHeadHashLookup", "TokenCompressor",
+    "EngramCache", "EngramLayerFusion", "EngramModule", "EngramState", "MultiHeadHashLookup", "TokenCompressor",
     "engram_fusion_gate_reference", "engram_lookup_reference",
     "HRMRefinementBlock", "HRMRMSNorm", "hrm_refinement_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
     "LeviathanGenerator", "TokenIdError", "leviathan_reference",
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
-    "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
-    "MoMRead", "MoMReadState", "mom_read_reference",
+    "MemoryCacheBranch", "MemoryCacheState", "MemoryCachingCache", "memory_caching_reference",
+    "MoMRead", "MoMReadCache", "MoMReadState", "mom_read_reference",
     "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
     "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",

@@ -3,6 +3,7 @@ expected and what was received, so the caller can fix the call without reading
 the source."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -59,17 +60,47 @@ def check_same_dtype(**tensors: torch.Tensor | None) -> None:
 
 
 def check_keep_mask(name: str, mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-    """A 2-D (batch, length) keep mask of 0/1 (bool or numeric)."""
+    """A 2-D ``(batch, length)`` keep mask: bool, or numeric holding only 0 and 1
+    (True/1 = keep). Additive float masks (0 = keep, −inf = drop, the Hugging Face
+    convention) are refused: read as a keep mask they would be silently inverted.
+
+    The value scan reads the mask on the host, so it is skipped while compiling."""
     if mask is None:
         return None
     check_tensor(name, mask, dtypes=None, shape=(batch, length), layout="(batch, seq) keep mask")
-    if mask.dtype != torch.bool:
-        if mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
-            if not bool(((mask == 0) | (mask == 1)).all()):
-                raise ValueError(f"`{name}` must contain only 0 and 1 (a keep mask), got other values")
-        else:
-            raise DTypeError(f"`{name}` must be bool or a 0/1 numeric tensor, got {mask.dtype}")
+    if mask.dtype == torch.bool:
+        return mask
+    if not (mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
+                                                       torch.uint8)):
+        raise DTypeError(f"`{name}` must be bool or a 0/1 numeric tensor, got {mask.dtype}")
+    if torch.compiler.is_compiling() or mask.device.type == "meta":
+        return mask
+    if not bool(((mask == 0) | (mask == 1)).all()):
+        hint = ""
+        if mask.is_floating_point() and bool((mask < 0).any()):
+            hint = (" It looks like an additive mask (0 = keep, -inf or a large negative = drop); "
+                    f"pass `{name}=(mask == 0)` instead.")
+        raise ValueError(f"`{name}` must be a keep mask (bool, or only 0 and 1; True/1 = keep), got other values "
+                         f"(min {float(mask.min())}, max {float(mask.max())}).{hint}")
     return mask
+
+
+def zero_padding(mask: torch.Tensor | None, *tensors: torch.Tensor | None) -> tuple:
+    """Each ``[batch, seq, ...]`` tensor with its positions where ``mask`` (``(batch,
+    seq)`` keep mask) is 0 replaced by 0, so padding contents (even NaN or inf) cannot
+    reach kept positions through a ``0 · x`` inside a masked product. ``torch.where``,
+    not a multiplication: 0 · NaN is NaN."""
+    if mask is None:
+        return tensors
+    keep = mask.bool()
+    out = []
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        k = keep.to(t.device).view(*keep.shape, *([1] * (t.dim() - 2)))
+        out.append(torch.where(k, t, torch.zeros((), dtype=t.dtype, device=t.device)))
+    return tuple(out)
 
 
 def check_positive_int(name: str, value: object) -> int:
@@ -87,3 +118,52 @@ def check_positive_float(name: str, value: object) -> float:
 def check_choice(name: str, value: object, choices: Sequence[object]) -> None:
     if value not in choices:
         raise ConfigError(f"`{name}` must be one of {list(choices)}, got {value!r}")
+
+
+# ----------------------------------------------------------------------------
+# The cast policy (docs/protocol.md, "Autocast and dtypes")
+# ----------------------------------------------------------------------------
+
+
+def autocast_active(device_type: str) -> bool:
+    return torch.is_autocast_enabled(device_type)
+
+
+def match_activation_dtypes(**tensors: torch.Tensor | None) -> tuple:
+    """The activations of one call in one dtype.
+
+    Outside autocast they must already share it (``DTypeError`` otherwise: a silent cast
+    would hide a bug). Under ``torch.autocast`` a block receives what autocast produced
+    (a bf16 sublayer output next to an fp32 residual stream): they are promoted to the
+    widest dtype among them, as ``a + b`` would, and the block returns that dtype."""
+    present = [t for t in tensors.values() if t is not None]
+    if not present:
+        return tuple(tensors.values())
+    dtypes = {t.dtype for t in present}
+    if len(dtypes) == 1:
+        return tuple(tensors.values())
+    if not autocast_active(present[0].device.type):
+        check_same_dtype(**tensors)
+    common = present[0].dtype
+    for t in present[1:]:
+        common = torch.promote_types(common, t.dtype)
+    return tuple(None if t is None else t.to(common) for t in tensors.values())
+
+
+def check_param_dtype(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Outside autocast, an activation that meets a module's own weights in a matmul
+    must have their dtype (a bf16 input to an fp32 module raises DTypeError, not a
+    raw torch error). Under autocast the matmul casts both."""
+    if x.dtype != weight.dtype and not autocast_active(x.device.type):
+        raise DTypeError(
+            f"`{name}` has dtype {str(x.dtype).replace('torch.', '')} but the module's parameters are "
+            f"{str(weight.dtype).replace('torch.', '')}: convert the module (module.to(dtype)) or the input, "
+            "or run under torch.autocast")
+
+
+def without_autocast(device_type: str):
+    """The block's own math runs with autocast off, on the dtypes the policy chose, so
+    the reference and the kernels compute the same thing (fp32 accumulation)."""
+    if not torch.amp.is_autocast_available(device_type):   # e.g. meta tensors
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device_type, enabled=False)

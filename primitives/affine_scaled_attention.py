@@ -22,22 +22,23 @@ h reads kv head ``h // (H // H_kv)``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from ._backend import Backend, check_backend, resolve_backend
 from ._attention import visible_keys
-from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
+from ._backend import Backend, check_backend, resolve_backend
+from ._cache import AppendBuffer, KVCache
+from ._errors import ConfigError, ShapeError
 from ._validation import (
-    FLOAT_DTYPES,
     check_choice,
     check_keep_mask,
     check_positive_int,
     check_same_device,
     check_same_dtype,
     check_tensor,
+    match_activation_dtypes,
+    without_autocast,
+    zero_padding,
 )
 
 __all__ = [
@@ -115,65 +116,17 @@ def affine_scaled_attention_reference(
 # ----------------------------------------------------------------------------
 
 
-@dataclass
-class AffineScaledAttentionCache:
-    """Keys, values and the key keep mask of the tokens seen so far, in preallocated
-    buffers of ``max_len`` positions with a fill index (shapes stay static). The
-    running value mean v̄ is recomputed from the cached values at each step.
-
-    ``key``/``value``: ``[B, max_len, H_kv, D]``; ``keep``: ``[B, max_len]`` bool;
-    ``length``: how many positions are filled; ``has_mask``: whether any appended
-    chunk came with a padding mask. Meant for inference (``torch.no_grad()``).
+class AffineScaledAttentionCache(KVCache):
+    """Keys, values and key keep mask of the tokens seen so far (see
+    :class:`~laminae.primitives._cache.KVCache`). The running value mean v̄ is
+    recomputed from the cached values at each step. A call never changes the cache
+    it was given.
 
     Example::
 
-        cache = attn.allocate_cache(batch, max_len, dtype=torch.bfloat16)
-        out, cache = attn(x_prompt, q, k, v, prompt_mask, cache=cache)
-        out, cache = attn(x_next, q1, k1, v1, cache=cache)      # one token at a time
+        out, cache = attn(x_prompt, q, k, v, prompt_mask)        # prefill
+        out, cache = attn(x_next, q1, k1, v1, cache=cache)       # one token at a time
     """
-
-    key: torch.Tensor
-    value: torch.Tensor
-    keep: torch.Tensor
-    length: int = 0
-    has_mask: bool = False
-
-    @classmethod
-    def allocate(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> "AffineScaledAttentionCache":
-        for name, value in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):
-            check_positive_int(name, value)
-        if dtype not in FLOAT_DTYPES:
-            raise DTypeError(f"`dtype` of the cache must be a float dtype, got {dtype}")
-        shape = (batch, max_len, num_kv_heads, head_dim)
-        return cls(key=torch.zeros(shape, dtype=dtype, device=device),
-                   value=torch.zeros(shape, dtype=dtype, device=device),
-                   keep=torch.ones(batch, max_len, dtype=torch.bool, device=device))
-
-    @property
-    def max_len(self) -> int:
-        return self.key.shape[1]
-
-    def reset(self) -> None:
-        self.length, self.has_mask = 0, False
-        self.keep.fill_(True)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None):
-        """Write ``k``/``v`` ``[B, S_new, H_kv, D]`` (and their ``(B, S_new)`` keep mask)
-        after the filled positions; return views of everything filled so far:
-        ``(keys, values, keep_or_None)``."""
-        start, end = self.length, self.length + k.shape[1]
-        self.key[:, start:end].copy_(k)
-        self.value[:, start:end].copy_(v)
-        if keep is not None:
-            self.keep[:, start:end].copy_(keep.bool())
-            self.has_mask = True
-        else:
-            self.keep[:, start:end].fill_(True)
-        self.length = end
-        return self.key[:, :end], self.value[:, :end], (self.keep[:, :end] if self.has_mask else None)
 
 
 # ----------------------------------------------------------------------------
@@ -267,8 +220,12 @@ class AffineScaledAttention(nn.Module):
                 f"head_dim={self.head_dim}, affine_momentum={self.affine_momentum}, "
                 f"activation={self.activation!r}, backend={self.backend!r}")
 
+    def _cache_config(self) -> dict:
+        return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+
     def allocate_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
                        device: torch.device | str | None = None) -> AffineScaledAttentionCache:
+        """An empty cache with room for ``max_len`` tokens (it grows past that by doubling)."""
         return AffineScaledAttentionCache.allocate(
             batch, max_len, self.num_kv_heads, self.head_dim, dtype,
             device if device is not None else self.alpha_ma.device)
@@ -285,29 +242,15 @@ class AffineScaledAttention(nn.Module):
         check_same_device(x=x, q=q, k=k, v=v, attention_mask=attention_mask, weight=self.alpha_proj.weight)
         if S == 0:
             raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
-        if cache is None:
-            if k.shape[1] < S:
-                raise ShapeError(
-                    f"`k`/`v` must cover at least the {S} query positions (N >= S), got N={k.shape[1]}")
-            check_keep_mask("attention_mask", attention_mask, B, k.shape[1])
-            return
-        if not isinstance(cache, AffineScaledAttentionCache):
-            raise TypeError(f"`cache` must be an AffineScaledAttentionCache or None, got {type(cache).__name__}")
-        if k.shape[1] != S:
-            raise ShapeError(
-                f"with a cache, `k`/`v` hold the {S} new tokens of `q`, got {k.shape[1]} key positions")
-        check_keep_mask("attention_mask", attention_mask, B, S)
-        want = (B, cache.max_len, Hkv, D)
-        if tuple(cache.key.shape) != want:
-            raise ShapeError(f"`cache` buffers must be [batch, max_len, num_kv_heads, head_dim] = {want}, "
-                             f"got {tuple(cache.key.shape)}")
-        if cache.key.dtype != k.dtype:
-            raise DTypeError(f"`cache` dtype must match k ({k.dtype}), got {cache.key.dtype}")
-        if cache.key.device != k.device:
-            raise DeviceError(f"`cache` must be on the device of k ({k.device}), got {cache.key.device}")
-        if cache.length + S > cache.max_len:
-            raise ConfigError(f"`cache` overflow: it holds {cache.length} of max_len={cache.max_len} "
-                              f"positions, cannot append {S} more")
+        if cache is not None:
+            if not isinstance(cache, AffineScaledAttentionCache):
+                raise TypeError(f"`cache` must be an AffineScaledAttentionCache or None, got {type(cache).__name__}")
+            cache.check("AffineScaledAttention", self._cache_config(), k)
+        past = 0 if cache is None else cache.length
+        if past + k.shape[1] < S:
+            raise ShapeError(f"`k`/`v` must cover at least the {S} query positions (N >= S), got "
+                             f"{k.shape[1]} new key positions and {past} cached")
+        check_keep_mask("attention_mask", attention_mask, B, k.shape[1])
 
     @torch.no_grad()
     def _update_ema(self, alpha: torch.Tensor, query_keep: torch.Tensor | None) -> None:
@@ -317,9 +260,10 @@ class AffineScaledAttention(nn.Module):
             total = a.sum(dim=(0, 1))
             count = torch.full((), a.shape[0] * a.shape[1], dtype=torch.float32, device=a.device)
         else:
-            w = query_keep.to(device=a.device, dtype=torch.float32)
-            total = (a * w[..., None]).sum(dim=(0, 1))
-            count = w.sum()
+            w = query_keep.to(device=a.device, dtype=torch.bool)
+            # where, not a product: a padded query's α (even NaN) must not reach the mean
+            total = torch.where(w[..., None], a, torch.zeros((), dtype=a.dtype, device=a.device)).sum(dim=(0, 1))
+            count = w.sum().to(torch.float32)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             stats = torch.cat([total, count.reshape(1)])
             torch.distributed.all_reduce(stats)
@@ -338,23 +282,35 @@ class AffineScaledAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: AffineScaledAttentionCache | None = None,
     ) -> tuple[torch.Tensor, AffineScaledAttentionCache | None]:
+        check_tensor("q", q, ndim=4, layout="[batch, seq, num_heads, head_dim]")
+        check_tensor("k", k, ndim=4, layout="[batch, keys, num_kv_heads, head_dim]")
+        check_tensor("v", v, ndim=4, layout="[batch, keys, num_kv_heads, head_dim]")
+        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
+        with without_autocast(q.device.type):
+            return self._forward(x, q, k, v, attention_mask, cache)
+
+    def _forward(self, x, q, k, v, attention_mask, cache):
         self._check(x, q, k, v, attention_mask, cache)
         S = q.shape[1]
+        k, v = zero_padding(attention_mask, k, v)
         alpha = affine_alpha(x, self.alpha_proj.weight, self.activation)
         if self.training and (torch.compiler.is_compiling() or not _inside_backward()):
-            if attention_mask is None:
-                query_keep = None
-            else:
-                query_keep = attention_mask if cache is not None else attention_mask[:, attention_mask.shape[1] - S:]
+            query_keep = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - S:]
             self._update_ema(alpha, query_keep)
-        key_mask = attention_mask
-        if cache is not None:
-            k, v, key_mask = cache.append(k, v, attention_mask)
+        if cache is None:
+            keys, values, key_mask = k, v, attention_mask
+            keep = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if attention_mask is None \
+                else attention_mask.bool()
+            cache = AffineScaledAttentionCache(AppendBuffer.wrap(key=k, value=v, keep=keep),
+                                               attention_mask is not None, self._cache_config())
+        else:
+            cache = cache.append(k, v, attention_mask)
+            keys, values, key_mask = cache.key, cache.value, cache.keep
         # a snapshot: a later training forward updates the buffer in place, and this
         # call's backward must see the value its forward used
         alpha_ma = self.alpha_ma.clone()
-        if resolve_backend(self.backend, q, k, v) == "triton":
+        if resolve_backend(self.backend, q, keys, values) == "triton":
             from laminae.triton_ops.affine_scaled_attention import affine_scaled_attention
 
-            return affine_scaled_attention(q, k, v, alpha, alpha_ma, key_mask), cache
-        return affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, key_mask), cache
+            return affine_scaled_attention(q, keys, values, alpha, alpha_ma, key_mask), cache
+        return affine_scaled_attention_reference(q, keys, values, alpha, alpha_ma, key_mask), cache

@@ -34,16 +34,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._backend import Backend, check_backend, resolve_backend
 from ._attention import visible_keys
-from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
+from ._backend import Backend, check_backend, resolve_backend
+from ._cache import AppendBuffer, KVCache
+from ._errors import ConfigError, DTypeError, ShapeError
 from ._validation import (
-    FLOAT_DTYPES,
     check_keep_mask,
     check_positive_int,
     check_same_device,
     check_same_dtype,
     check_tensor,
+    match_activation_dtypes,
+    without_autocast,
+    zero_padding,
 )
 
 __all__ = [
@@ -147,16 +150,6 @@ def derf_context_gate_reference(
     return (r * gate).to(dtype)
 
 
-def _check_mask(name: str, mask: torch.Tensor | None, batch: int, length: int) -> None:
-    """(batch, length) 0/1 keep mask; the value scan is skipped while compiling (it syncs)."""
-    if mask is None:
-        return
-    if torch.compiler.is_compiling():
-        check_tensor(name, mask, dtypes=None, shape=(batch, length), layout="(batch, seq) keep mask")
-    else:
-        check_keep_mask(name, mask, batch, length)
-
-
 def check_derf_attention_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -192,7 +185,7 @@ def check_derf_attention_inputs(
     check_same_dtype(q=q, k=k, v=v)
     check_same_device(q=q, k=k, v=v, derf_alpha=derf_alpha, derf_bias=derf_bias, derf_gamma=derf_gamma,
                       **{mask_name: key_mask})
-    _check_mask(mask_name, key_mask, B, N)
+    check_keep_mask(mask_name, key_mask, B, N)
 
 
 # ----------------------------------------------------------------------------
@@ -200,70 +193,17 @@ def check_derf_attention_inputs(
 # ----------------------------------------------------------------------------
 
 
-@dataclass(eq=False)
-class DERFCache:
-    """Keys, values and the key keep mask of the tokens seen so far, in preallocated
-    buffers of ``max_len`` positions with a fill index (shapes stay static).
-
-    ``key``/``value``: ``[B, max_len, H_kv, D]``; ``keep``: ``[B, max_len]`` bool;
-    ``length``: how many positions are filled. ``has_mask`` records whether any
-    appended chunk came with a padding mask (otherwise the kernels skip the mask).
-    Meant for inference (``torch.no_grad()``): appending writes the buffers in place.
+class DERFCache(KVCache):
+    """Keys, values and key keep mask of the tokens seen so far (see
+    :class:`~laminae.primitives._cache.KVCache`): ``key``/``value`` ``[B, length, H_kv, D]``,
+    ``keep`` ``[B, length]`` or None. Returned by :class:`DERFAttention`; a call never
+    changes the cache it was given, so one cache can be continued several ways.
 
     Example::
 
-        cache = DERFCache.allocate(batch, max_len, num_kv_heads, head_dim, torch.float32, "cuda")
-        out, cache = attn(q_prompt, k_prompt, v_prompt, prompt_mask, cache=cache)
-        out, cache = attn(q_next, k_next, v_next, cache=cache)   # one token at a time
+        out, cache = attn(q_prompt, k_prompt, v_prompt, prompt_mask)   # prefill
+        out, cache = attn(q_next, k_next, v_next, cache=cache)          # one token at a time
     """
-
-    key: torch.Tensor
-    value: torch.Tensor
-    keep: torch.Tensor
-    length: int = 0
-    has_mask: bool = False
-
-    @classmethod
-    def allocate(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> "DERFCache":
-        for name, value in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):
-            check_positive_int(name, value)
-        if dtype not in FLOAT_DTYPES:
-            raise DTypeError(f"`dtype` of a DERFCache must be a float dtype, got {dtype}")
-        shape = (batch, max_len, num_kv_heads, head_dim)
-        return cls(
-            key=torch.zeros(shape, dtype=dtype, device=device),
-            value=torch.zeros(shape, dtype=dtype, device=device),
-            keep=torch.ones(batch, max_len, dtype=torch.bool, device=device),
-        )
-
-    @property
-    def batch(self) -> int:
-        return self.key.shape[0]
-
-    @property
-    def max_len(self) -> int:
-        return self.key.shape[1]
-
-    def reset(self) -> None:
-        self.length, self.has_mask = 0, False
-        self.keep.fill_(True)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None):
-        """Write ``k``/``v`` ``[B, S_new, H_kv, D]`` (and their ``(B, S_new)`` keep mask)
-        after the filled positions; return views of everything filled so far:
-        ``(keys, values, keep_or_None)``. Callers validate first (``DERFAttention`` does)."""
-        start, end = self.length, self.length + k.shape[1]
-        self.key[:, start:end].copy_(k)
-        self.value[:, start:end].copy_(v)
-        if keep is not None:
-            self.keep[:, start:end].copy_(keep.bool())
-            self.has_mask = True
-        else:
-            self.keep[:, start:end].fill_(True)
-        self.length = end
-        return self.key[:, :end], self.value[:, :end], (self.keep[:, :end] if self.has_mask else None)
 
 
 # ----------------------------------------------------------------------------
@@ -326,35 +266,14 @@ class DERFAttention(nn.Module):
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, backend={self.backend!r}")
 
+    def _cache_config(self) -> dict:
+        return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+
     def allocate_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
                        device: torch.device | str | None = None) -> DERFCache:
+        """An empty cache with room for ``max_len`` tokens (it grows past that by doubling)."""
         return DERFCache.allocate(batch, max_len, self.num_kv_heads, self.head_dim, dtype,
                                   device if device is not None else self.derf_alpha.device)
-
-    def _check_cache(self, q, k, attention_mask, cache: DERFCache) -> None:
-        B, S = q.shape[0], q.shape[1]
-        if not isinstance(cache, DERFCache):
-            raise TypeError(f"`cache` must be a DERFCache or None, got {type(cache).__name__}")
-        if k.shape[1] != S:
-            raise ShapeError(
-                f"with a cache, `k`/`v` hold the new tokens of `q`: expected {S} key positions, got {k.shape[1]}")
-        _check_mask("attention_mask", attention_mask, B, S)
-        check_same_device(k=k, attention_mask=attention_mask)
-        if cache.batch != B:
-            raise ShapeError(f"`cache` batch size must match q: expected {B}, got {cache.batch}")
-        want = (B, cache.max_len, self.num_kv_heads, self.head_dim)
-        if tuple(cache.key.shape) != want or tuple(cache.value.shape) != want:
-            raise ShapeError(
-                f"`cache` buffers must be [batch, max_len, num_kv_heads, head_dim] = {want}, "
-                f"got key {tuple(cache.key.shape)}, value {tuple(cache.value.shape)}")
-        if cache.key.dtype != k.dtype:
-            raise DTypeError(f"`cache` dtype must match k: expected {k.dtype}, got {cache.key.dtype}")
-        if cache.key.device != k.device:
-            raise DeviceError(f"`cache` must be on the device of k: expected {k.device}, got {cache.key.device}")
-        if cache.length + S > cache.max_len:
-            raise ConfigError(
-                f"`cache` overflow: it holds {cache.length} of max_len={cache.max_len} positions, "
-                f"cannot append {S} more (allocate a larger cache or reset it)")
 
     def forward(
         self,
@@ -363,25 +282,42 @@ class DERFAttention(nn.Module):
         v: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: DERFCache | None = None,
-    ) -> tuple[torch.Tensor, DERFCache | None]:
+    ) -> tuple[torch.Tensor, DERFCache]:
         params = (self.derf_alpha, self.derf_bias, self.derf_gamma)
         check_tensor("q", q, shape=(None, None, self.num_heads, self.head_dim),
                      layout="[batch, seq, num_heads, head_dim]")
-        check_tensor("k", k, shape=(None, None, self.num_kv_heads, self.head_dim),
+        check_tensor("k", k, shape=(q.shape[0], None, self.num_kv_heads, self.head_dim),
                      layout="[batch, keys, num_kv_heads, head_dim]")
+        check_tensor("v", v, shape=tuple(k.shape), layout="[batch, keys, num_kv_heads, head_dim]")
+        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
+        if cache is not None:
+            if not isinstance(cache, DERFCache):
+                raise TypeError(f"`cache` must be a DERFCache or None, got {type(cache).__name__}")
+            cache.check("DERFAttention", self._cache_config(), k)
+        past = 0 if cache is None else cache.length
+        if past + k.shape[1] < q.shape[1]:
+            raise ShapeError(f"the {q.shape[1]} queries must be the last of the keys (N >= S): got {k.shape[1]} new "
+                             f"key positions and {past} cached")
+        check_same_device(q=q, k=k, v=v, attention_mask=attention_mask)
+        check_keep_mask("attention_mask", attention_mask, k.shape[0], k.shape[1])
+        k, v = zero_padding(attention_mask, k, v)
         if cache is None:
             check_derf_attention_inputs(q, k, v, *params, attention_mask, mask_name="attention_mask")
-            key_mask = attention_mask
+            keys, values, key_mask = k, v, attention_mask
+            keep = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if attention_mask is None \
+                else attention_mask.bool()
+            cache = DERFCache(AppendBuffer.wrap(key=k, value=v, keep=keep), attention_mask is not None,
+                              self._cache_config())
         else:
-            # the new tokens first (their k/v/mask cover S positions), then the cache
-            check_derf_attention_inputs(q, k, v, *params, None)
-            self._check_cache(q, k, attention_mask, cache)
-            k, v, key_mask = cache.append(k, v, attention_mask)
-        if resolve_backend(self.backend, q, k, v) == "triton":
-            from laminae.triton_ops.derf import launch_derf_attention
+            cache = cache.append(k, v, attention_mask)
+            keys, values, key_mask = cache.key, cache.value, cache.keep
+            check_derf_attention_inputs(q, keys, values, *params, None)
+        with without_autocast(q.device.type):
+            if resolve_backend(self.backend, q, keys, values) == "triton":
+                from laminae.triton_ops.derf import launch_derf_attention
 
-            return launch_derf_attention(q, k, v, *params, key_mask), cache
-        return derf_attention_reference(q, k, v, *params, key_mask), cache
+                return launch_derf_attention(q, keys, values, *params, key_mask), cache
+            return derf_attention_reference(q, keys, values, *params, key_mask), cache
 
 
 class DERFContextGate(nn.Module):
@@ -425,15 +361,16 @@ class DERFContextGate(nn.Module):
         if x.shape != retrieved.shape:
             raise ShapeError(
                 f"`x` must have the shape of `retrieved` {tuple(retrieved.shape)}, got {tuple(x.shape)}")
-        check_same_dtype(retrieved=retrieved, x=x)
         check_same_device(retrieved=retrieved, x=x, weight=self.proj.weight)
+        retrieved, x = match_activation_dtypes(retrieved=retrieved, x=x)
         if not torch.is_autocast_enabled(retrieved.device.type) and retrieved.dtype != self.proj.weight.dtype:
             raise DTypeError(
                 f"`retrieved`/`x` dtype must match the module parameters ({self.proj.weight.dtype}) "
                 f"outside autocast, got {retrieved.dtype}")
         logits = self.proj(torch.cat([retrieved, x], dim=-1))
-        if resolve_backend(self.backend, retrieved, logits) == "triton":
-            from laminae.triton_ops.derf import derf_context_gate
+        with without_autocast(retrieved.device.type):
+            if resolve_backend(self.backend, retrieved, logits) == "triton":
+                from laminae.triton_ops.derf import derf_context_gate
 
-            return derf_context_gate(retrieved, logits, self.alpha, self.bias, self.gamma)
-        return derf_context_gate_reference(retrieved, logits, self.alpha, self.bias, self.gamma)
+                return derf_context_gate(retrieved, logits, self.alpha, self.bias, self.gamma)
+            return derf_context_gate_reference(retrieved, logits, self.alpha, self.bias, self.gamma)

@@ -28,14 +28,14 @@ its rating contribution is 0 as here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import Backend, check_backend, resolve_backend
 from ._attention import visible_keys
+from ._backend import Backend, check_backend, resolve_backend
+from ._cache import AppendBuffer, KVCache
 from ._errors import ConfigError, ShapeError
 from ._validation import (
     check_keep_mask,
@@ -44,6 +44,9 @@ from ._validation import (
     check_same_device,
     check_same_dtype,
     check_tensor,
+    match_activation_dtypes,
+    without_autocast,
+    zero_padding,
 )
 
 __all__ = [
@@ -108,11 +111,7 @@ def check_elo_attention_inputs(
     check_same_dtype(q=q, k=k, v=v)
     check_same_device(q=q, k=k, v=v, elo_log_k=elo_log_k, elo_gain=elo_gain, prior_rating=prior_rating,
                       key_mask=key_mask)
-    if key_mask is not None:
-        if torch.compiler.is_compiling():  # value checks would sync and break the graph
-            check_tensor("key_mask", key_mask, dtypes=None, shape=(B, N), layout="(batch, keys) keep mask")
-        else:
-            check_keep_mask("key_mask", key_mask, B, N)
+    check_keep_mask("key_mask", key_mask, B, N)
 
 
 def rating_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -194,20 +193,22 @@ def elo_attention_reference(
 # ----------------------------------------------------------------------------
 
 
-@dataclass
-class EloAttentionCache:
+class EloAttentionCache(KVCache):
     """State carried between calls: every key and value so far ``[B, N, H_kv, D]``,
-    their keep mask ``(B, N)`` bool (None = all kept) and the Elo rating of every key
-    ``[B, H, N]`` (float32; the prior of the next call)."""
+    their keep mask ``(B, N)`` bool (None = all kept), see
+    :class:`~laminae.primitives._cache.KVCache`, and the Elo rating of every key
+    ``rating`` ``[B, H, N]`` (float32; the prior of the next call). A call never changes
+    the cache it was given."""
 
-    key: torch.Tensor
-    value: torch.Tensor
-    key_mask: torch.Tensor | None
-    rating: torch.Tensor
+    rating: torch.Tensor | None = None
 
     @property
-    def length(self) -> int:
-        return self.key.shape[1]
+    def key_mask(self) -> torch.Tensor | None:
+        return self.keep
+
+    def reset(self) -> None:
+        super().reset()
+        self.rating = None
 
 
 class EloAttention(nn.Module):
@@ -259,6 +260,9 @@ class EloAttention(nn.Module):
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"elo_k_init={self.elo_k_init}, backend={self.backend!r}")
 
+    def _cache_config(self) -> dict:
+        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: EloAttentionCache | None = None,
                 ) -> tuple[torch.Tensor, EloAttentionCache]:
@@ -270,34 +274,33 @@ class EloAttention(nn.Module):
         check_tensor("q", q, shape=expected_q, layout=_Q_LAYOUT)
         check_tensor("k", k, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
         check_tensor("v", v, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
-        if attention_mask is not None:
-            check_tensor("attention_mask", attention_mask, dtypes=None, shape=(B, S),
-                         layout="(batch, seq) keep mask of this call's tokens")
-        prior = None
-        keys, values, mask = k, v, attention_mask
-        if cache is not None:
+        check_same_device(q=q, k=k, v=v, attention_mask=attention_mask)
+        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
+        # the shared helper: an additive 0/-inf mask is refused, never silently inverted
+        check_keep_mask("attention_mask", attention_mask, B, S)
+        # a padded query zeroed has a uniform match, so it adds no rating (and its
+        # contents, even NaN, cannot reach later queries through the rating)
+        q, k, v = zero_padding(attention_mask, q, k, v)
+        if cache is None:
+            keys, values, mask, prior = k, v, attention_mask, None
+            keep = torch.ones(B, S, dtype=torch.bool, device=k.device) if attention_mask is None \
+                else attention_mask.bool()
+            cache = EloAttentionCache(AppendBuffer.wrap(key=k, value=v, keep=keep), attention_mask is not None,
+                                      self._cache_config())
+        else:
             if not isinstance(cache, EloAttentionCache):
                 raise TypeError(f"`cache` must be an EloAttentionCache or None, got {type(cache).__name__}")
-            if cache.key.shape[0] != B or cache.key.shape[2:] != k.shape[2:]:
-                raise ShapeError(f"`cache` holds keys {tuple(cache.key.shape)}, which do not continue "
-                                 f"this call's k {tuple(k.shape)}")
-            check_same_device(q=q, cache=cache.key)
-            keys = torch.cat([cache.key, k.to(cache.key.dtype)], dim=1)
-            values = torch.cat([cache.value, v.to(cache.value.dtype)], dim=1)
+            cache.check("EloAttention", self._cache_config(), k)
             prior = cache.rating
-            if cache.key_mask is not None or attention_mask is not None:
-                past = cache.key_mask if cache.key_mask is not None else \
-                    torch.ones(B, cache.length, dtype=torch.bool, device=q.device)
-                new = attention_mask.bool() if attention_mask is not None else \
-                    torch.ones(B, S, dtype=torch.bool, device=q.device)
-                mask = torch.cat([past, new.to(past.device)], dim=1)
-        elif attention_mask is not None:
-            mask = attention_mask.bool()
+            cache = cache.append(k, v, attention_mask)
+            keys, values, mask = cache.key, cache.value, cache.keep
         check_elo_attention_inputs(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
-        if resolve_backend(self.backend, q, keys, values) == "triton":
-            from laminae.triton_ops.elo_attention import launch_elo_attention
+        with without_autocast(q.device.type):
+            if resolve_backend(self.backend, q, keys, values) == "triton":
+                from laminae.triton_ops.elo_attention import launch_elo_attention
 
-            out, rating = launch_elo_attention(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
-        else:
-            out, rating = elo_attention_reference(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
-        return out, EloAttentionCache(keys, values, mask, rating)
+                out, rating = launch_elo_attention(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
+            else:
+                out, rating = elo_attention_reference(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
+        cache.rating = rating.detach()  # the new cache object, not the caller's
+        return out, cache

@@ -28,7 +28,6 @@ agreement between the hidden state and an n-gram key (``F = fusion_dim``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import torch
@@ -36,8 +35,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import check_positive_int, check_same_device, check_same_dtype, check_tensor
+from ._validation import (check_param_dtype, check_positive_int, check_same_device, check_same_dtype, check_tensor,
+                          match_activation_dtypes, without_autocast)
 
 __all__ = [
     "engram_hash_bits",
@@ -48,6 +49,7 @@ __all__ = [
     "engram_fusion_gate_reference",
     "engram_fusion_reference",
     "engram_next_prefix",
+    "EngramCache",
     "EngramState",
     "EngramOutput",
     "TokenCompressor",
@@ -320,23 +322,39 @@ def engram_fusion_reference(
 # ----------------------------------------------------------------------------
 
 
-@dataclass
-class EngramState:
+class EngramCache(DecodingCache):
     """What incremental decoding must carry for the n-gram read: the compressed
     vectors of the last ``max_ngram - 1`` tokens (``prefix`` ``[B, ≤N-1, Dc]``,
-    ``None`` before the first token or when ``max_ngram == 1``). They depend only on
-    the token embeddings, so caching them is exact."""
+    ``None`` before the first token or when ``max_ngram == 1``) and the token count.
+    They depend only on the token embeddings, so caching them is exact. A call never
+    changes the cache it was given."""
 
-    prefix: torch.Tensor | None = None
+    def __init__(self, prefix: torch.Tensor | None = None, length: int = 0, config: dict | None = None) -> None:
+        self.prefix, self._length, self.config = prefix, int(length), dict(config or {})
 
-    def advance(self, compressed: torch.Tensor, max_ngram: int) -> "EngramState":
-        return EngramState(engram_next_prefix(self.prefix, compressed, max_ngram))
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @property
+    def batch(self) -> int | None:
+        return None if self.prefix is None else self.prefix.shape[0]
+
+    def reset(self) -> None:
+        self.prefix, self._length = None, 0
+
+    def advance(self, compressed: torch.Tensor, max_ngram: int) -> "EngramCache":
+        return EngramCache(engram_next_prefix(self.prefix, compressed, max_ngram),
+                           self._length + compressed.shape[1], self.config)
+
+
+EngramState = EngramCache  # the earlier name
 
 
 class EngramOutput(NamedTuple):
     output: torch.Tensor      # the gated read, added to the residual stream
+    cache: EngramCache        # pass back on the next call
     retrieved: torch.Tensor   # the raw read (reused by EngramLayerFusion)
-    state: EngramState        # pass back on the next call
 
 
 # ----------------------------------------------------------------------------
@@ -369,6 +387,7 @@ class TokenCompressor(nn.Module):
         if x.dim() == 0 or x.shape[-1] != self.embed_dim:
             raise ShapeError(f"last dim of `x` must be embed_dim={self.embed_dim}, got shape {tuple(x.shape)}")
         check_same_device(x=x, weight=self.proj.weight)
+        check_param_dtype("x", x, self.proj.weight)
         return token_compressor_reference(x, self.proj.weight)
 
 
@@ -479,13 +498,6 @@ class MultiHeadHashLookup(nn.Module):
         return engram_lookup_reference(compressed, projs, self.bit_weights, tables, prefix=prefix,
                                        legacy_trunc=self.legacy_trunc)
 
-    def forward_with_state(self, compressed: torch.Tensor,
-                           state: EngramState | None = None) -> tuple[torch.Tensor, EngramState]:
-        """Prefill (``state=None``) or decode step: the read and the state for the next call."""
-        state = state or EngramState()
-        out = self(compressed, prefix=state.prefix)
-        return out, state.advance(compressed, self.max_ngram)
-
 
 class EngramModule(nn.Module):
     """Engram: compress → n-gram hash read → DERF context gate.
@@ -511,8 +523,8 @@ class EngramModule(nn.Module):
     Example::
 
         engram = EngramModule(512, 64, num_heads=4, table_size=4096)
-        out, ngram, state = engram.forward_with_state(x)            # prefill
-        out, ngram, state = engram.forward_with_state(x_next, state)  # one token
+        out, cache, ngram = engram(x)                     # prefill (or training)
+        out, cache, ngram = engram(x_next, cache=cache)   # one token
     """
 
     def __init__(self, hidden_size: int, compress_dim: int, num_heads: int, table_size: int,
@@ -522,11 +534,22 @@ class EngramModule(nn.Module):
         from .derf import DERFContextGate
 
         check_backend(backend)
-        self.hidden_size, self.backend = hidden_size, backend
+        self.hidden_size = hidden_size
         self.compressor = TokenCompressor(hidden_size, compress_dim)
         self.lookup = MultiHeadHashLookup(num_heads, table_size, compress_dim, hidden_size, max_ngram,
                                           legacy_trunc=legacy_trunc, backend=backend, deterministic=deterministic)
         self.gate = DERFContextGate(hidden_size, gate_init_bias, backend=backend)
+        self.backend = backend
+
+    @property
+    def backend(self) -> str:
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        # the blocks inside follow the parent: setting it here never leaves them behind
+        check_backend(value)
+        self._backend = self.lookup.backend = self.gate.backend = value
 
     @property
     def max_ngram(self) -> int:
@@ -541,19 +564,21 @@ class EngramModule(nn.Module):
         """The raw (ungated) read ``[B, S, hidden_size]``."""
         return self.lookup(self.compress(x), prefix=prefix)
 
-    def forward(self, x: torch.Tensor, retrieved: torch.Tensor | None = None) -> torch.Tensor:
-        if retrieved is None:
-            retrieved = self.retrieve(x)
-        return self.gate(retrieved, x)
-
-    def forward_with_state(self, x: torch.Tensor, state: EngramState | None = None) -> EngramOutput:
-        """Prefill (``state=None``) or one decoding step; a prefill followed by steps
-        equals one forward over the whole sequence."""
-        state = state or EngramState()
+    def forward(self, x: torch.Tensor, cache: EngramCache | None = None,
+                retrieved: torch.Tensor | None = None) -> EngramOutput:
+        """``(output, cache, retrieved)``: the gated read ``[B, S, hidden_size]``, the cache
+        holding these tokens too (the one passed in is unchanged) and the raw read.
+        A prefill followed by one-token steps equals one forward over the sequence.
+        ``retrieved`` skips the lookup (a read computed earlier for this ``x``)."""
+        config = {"max_ngram": self.max_ngram, "compress_dim": self.compressor.compress_dim}
+        if cache is None:
+            cache = EngramCache(config=config)
+        check_cache(cache, EngramCache, config, batch=x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None)
         compressed = self.compress(x)
-        # under autocast the frozen projection runs in bf16: the read joins x in x's dtype
-        retrieved = self.lookup(compressed, prefix=state.prefix).to(x.dtype)
-        return EngramOutput(self.gate(retrieved, x), retrieved, state.advance(compressed, self.max_ngram))
+        if retrieved is None:
+            # under autocast the frozen projection runs in bf16: the read joins x in x's dtype
+            retrieved = self.lookup(compressed, prefix=cache.prefix).to(x.dtype)
+        return EngramOutput(self.gate(retrieved, x), cache.advance(compressed, self.max_ngram), retrieved)
 
 
 class _RMSNorm(nn.Module):
@@ -619,8 +644,8 @@ class EngramLayerFusion(nn.Module):
             raise ShapeError(f"last dim of `hidden` must be hidden_size={self.hidden_size}, got shape {tuple(hidden.shape)}")
         if ngram.shape != hidden.shape:
             raise ShapeError(f"`ngram` must have the shape of `hidden` {tuple(hidden.shape)}, got {tuple(ngram.shape)}")
-        check_same_dtype(hidden=hidden, ngram=ngram)
         check_same_device(hidden=hidden, ngram=ngram, weight=self.out_proj.weight)
+        hidden, ngram = match_activation_dtypes(hidden=hidden, ngram=ngram)
         if not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != self.out_proj.weight.dtype:
             raise DTypeError(f"`hidden`/`ngram` dtype must match the module parameters ({self.out_proj.weight.dtype}) "
                              f"outside autocast, got {hidden.dtype}")

@@ -19,7 +19,8 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, ShapeError
-from ._validation import check_choice, check_positive_int, check_same_device, check_same_dtype, check_tensor
+from ._validation import (check_choice, check_positive_int, check_same_device, check_tensor, match_activation_dtypes,
+                          without_autocast)
 
 __all__ = ["laurel_reference", "laurel_weights", "LAuReL", "LAuReLBlock", "laurel_lr_init"]
 
@@ -54,7 +55,9 @@ def laurel_reference(
         ``y`` with the shape and dtype of ``f``.
     """
     dtype = f.dtype
-    cf, cx = (f.float(), x.float()) if upcast else (f, x)
+    # fp32 for fp32/bf16/fp16, fp64 stays fp64 (gradcheck and fp64 users get fp64 math)
+    compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
+    cf, cx = f.to(compute), x.to(compute)
     u = cx
     if lr_A is not None:
         # matmuls in model dtype with fp32 accumulation, as the spec prescribes
@@ -149,8 +152,8 @@ class LAuReL(nn.Module):
             raise ShapeError(f"`f` and `x` must have the same shape, got f {tuple(f.shape)} and x {tuple(x.shape)}")
         if f.dim() == 0 or f.shape[-1] != self.hidden_size:
             raise ShapeError(f"last dim of `f`/`x` must be hidden_size={self.hidden_size}, got shape {tuple(f.shape)}")
-        check_same_dtype(f=f, x=x)
         check_same_device(f=f, x=x, weight=next(self.parameters()))
+        f, x = match_activation_dtypes(f=f, x=x)
         params = self._params()
         # Reading the logits' finiteness on a GPU is a device sync per call; there it
         # runs only when asked for (check_finite=True), on CPU always.
@@ -158,11 +161,12 @@ class LAuReL(nn.Module):
         if self.use_rw and check and not torch.compiler.is_compiling():
             if not bool(torch.isfinite(torch.stack([params[0], params[1]])).all()):
                 raise ValueError("LAuReL `alpha_logit`/`beta_logit` are not finite")
-        if resolve_backend(self.backend, f, x) == "triton":
-            from laminae.triton_ops.laurel import laurel
+        with without_autocast(f.device.type):
+            if resolve_backend(self.backend, f, x) == "triton":
+                from laminae.triton_ops.laurel import laurel
 
-            return laurel(f, x, *params)
-        return laurel_reference(f, x, *params)
+                return laurel(f, x, *params)
+            return laurel_reference(f, x, *params)
 
 
 class LAuReLBlock(nn.Module):

@@ -23,15 +23,16 @@ equals the full forward.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ._backend import Backend, check_backend, resolve_backend
 from ._attention import visible_keys
+from ._backend import Backend, check_backend, resolve_backend
+from ._cache import AppendBuffer, DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import check_keep_mask, check_positive_int, check_same_device, check_same_dtype, check_tensor
+from ._validation import (check_keep_mask, check_positive_int, check_same_device, check_same_dtype, check_tensor,
+                          match_activation_dtypes, without_autocast, zero_padding)
 
 __all__ = [
     "LUCID_ATTENTION_EPS",
@@ -230,8 +231,7 @@ def check_lucid_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ma
 # ----------------------------------------------------------------------------
 
 
-@dataclass
-class LucidCache:
+class LucidCache(DecodingCache):
     """What LUCID decoding needs from earlier tokens, per layer.
 
     keys      ``[B, C, H_kv, D]`` raw keys (input dtype), attended by later queries;
@@ -241,24 +241,53 @@ class LucidCache:
     eps       the ``lucid_attention_eps`` the cache was built with;
     unit_diagonal  whether L's diagonal was taken as exactly 1.
 
-    The class itself is the tag: a decode step accepts nothing else, because a cache
-    of plain values mixed with LUCID would be silently wrong."""
+    Per-position tensors live in an :class:`~laminae.primitives._cache.AppendBuffer`
+    (amortised O(1) appends, copy-on-branch); a call never changes the cache it was
+    given. The class itself is the tag: a decode step accepts nothing else, because a
+    cache of plain values mixed with LUCID would be silently wrong."""
 
-    keys: torch.Tensor
-    key_hat: torch.Tensor
-    v_prime: torch.Tensor
-    keep: torch.Tensor | None
-    eps: float
-    unit_diagonal: bool = False
+    def __init__(self, buffers: AppendBuffer | None = None, has_mask: bool = False, eps: float = LUCID_ATTENTION_EPS,
+                 unit_diagonal: bool = False, config: dict | None = None) -> None:
+        self.buffers = buffers if buffers is not None else AppendBuffer()
+        self.has_mask, self.eps, self.unit_diagonal = bool(has_mask), float(eps), bool(unit_diagonal)
+        self.config = dict(config or {})
+
+    @property
+    def length(self) -> int:
+        return self.buffers.length
 
     @property
     def seq_len(self) -> int:
-        return self.keys.shape[1]
+        return self.buffers.length
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self.buffers.get("keys")
+
+    @property
+    def key_hat(self) -> torch.Tensor | None:
+        return self.buffers.get("key_hat")
+
+    @property
+    def v_prime(self) -> torch.Tensor | None:
+        return self.buffers.get("v_prime")
+
+    @property
+    def keep(self) -> torch.Tensor | None:
+        return self.buffers.get("keep") if self.has_mask else None
 
     def keep_mask(self) -> torch.Tensor:
-        if self.keep is not None:
-            return self.keep
-        return torch.ones(self.keys.shape[:2], dtype=torch.bool, device=self.keys.device)
+        return self.buffers.get("keep")
+
+    def reset(self) -> None:
+        self.buffers, self.has_mask = AppendBuffer(self.buffers._storage, 0), False
+
+    def clone(self) -> "LucidCache":
+        return LucidCache(self.buffers.clone(), self.has_mask, self.eps, self.unit_diagonal, self.config)
+
+    def extend(self, keys, key_hat, v_prime, keep, masked: bool) -> "LucidCache":
+        return LucidCache(self.buffers.append(keys=keys, key_hat=key_hat, v_prime=v_prime, keep=keep),
+                          self.has_mask or masked, self.eps, self.unit_diagonal, self.config)
 
 
 # ----------------------------------------------------------------------------
@@ -333,32 +362,46 @@ class LucidAttention(nn.Module):
             raise LucidCacheError(
                 f"`cache` must be a LucidCache (it holds preconditioned values v′), got {type(cache).__name__}; "
                 "a plain-attention cache holds v and cannot be continued with LUCID")
-        want = (batch, cache.seq_len, self.num_kv_heads, self.head_dim)
-        for name in ("keys", "key_hat", "v_prime"):
-            check_tensor(f"cache.{name}", getattr(cache, name), shape=want,
-                         dtypes=None, layout="[batch, cached, num_kv_heads, head_dim]")
-        if cache.keys.dtype != q.dtype:
-            raise DTypeError(f"`cache.keys` has dtype {cache.keys.dtype}, the inputs {q.dtype}")
-        if cache.keys.device != q.device:
-            raise DeviceError(f"`cache` is on {cache.keys.device}, the inputs on {q.device}")
         if cache.eps != self.lucid_attention_eps:
             raise ConfigError(f"`cache` was built with lucid_attention_eps={cache.eps}, "
                               f"this module uses {self.lucid_attention_eps}")
         if cache.unit_diagonal != self.unit_diagonal:
             raise ConfigError(f"`cache` was built with unit_diagonal={cache.unit_diagonal}, "
                               f"this module uses {self.unit_diagonal}")
+        keys = cache.keys
+        check_cache(cache, LucidCache, self._cache_config(), batch=batch, dtype=q.dtype, device=q.device,
+                    cache_batch=None if keys is None else keys.shape[0],
+                    cache_dtype=None if keys is None else keys.dtype,
+                    cache_device=None if keys is None else keys.device)
+        if keys is not None:
+            want = (batch, cache.seq_len, self.num_kv_heads, self.head_dim)
+            for name in ("keys", "key_hat", "v_prime"):
+                check_tensor(f"cache.{name}", getattr(cache, name), shape=want,
+                             dtypes=None, layout="[batch, cached, num_kv_heads, head_dim]")
+
+    def _cache_config(self) -> dict:
+        return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: LucidCache | None = None,
                 ) -> tuple[torch.Tensor, LucidCache]:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            check_tensor(name, t, ndim=4, layout="[batch, seq, heads, head_dim]")
+        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
+        with without_autocast(q.device.type):
+            return self._forward(q, k, v, attention_mask, cache)
+
+    def _forward(self, q, k, v, attention_mask, cache):
         self._check(q, k, v, attention_mask, cache)
         eps, unit = self.lucid_attention_eps, self.unit_diagonal
         use_triton = resolve_backend(self.backend, q, k, v) == "triton"
         if use_triton and q.dtype == torch.float64:
             raise DTypeError("the Triton LUCID kernels support fp32/bf16/fp16; use backend='reference' for fp64")
         batch, s_len = q.shape[:2]
+        k, v = zero_padding(attention_mask, k, v)
         keep_new = _keep(attention_mask, batch, s_len, q.device)
         k_hat_new = lucid_key_norm(k, eps, attention_mask)
+        masked = attention_mask is not None
 
         if cache is None or cache.seq_len == 0:
             keys, key_mask = k, attention_mask
@@ -368,16 +411,13 @@ class LucidAttention(nn.Module):
                 v_prime = lucid_precondition(k, v, key_mask, eps, unit_diagonal=unit)
             else:
                 v_prime = lucid_precondition_reference(k, v, key_mask, eps, unit_diagonal=unit)
-            keep = None if attention_mask is None else keep_new
-            k_hat_all, v_prime_all = k_hat_new, v_prime
+            v_prime_all = v_prime
+            new_cache = LucidCache(AppendBuffer.wrap(keys=k, key_hat=k_hat_new, v_prime=v_prime, keep=keep_new),
+                                   masked, eps, unit, self._cache_config())
         else:
-            keep_old = cache.keep_mask()
-            v_prime = lucid_extend(cache.key_hat, cache.v_prime, keep_old, k_hat_new, v, keep_new, unit)
-            keys = torch.cat([cache.keys, k], dim=1)
-            k_hat_all = torch.cat([cache.key_hat, k_hat_new], dim=1)
-            v_prime_all = torch.cat([cache.v_prime, v_prime], dim=1)
-            keep = None if (cache.keep is None and attention_mask is None) else torch.cat([keep_old, keep_new], 1)
-            key_mask = keep
+            v_prime = lucid_extend(cache.key_hat, cache.v_prime, cache.keep_mask(), k_hat_new, v, keep_new, unit)
+            new_cache = cache.extend(k, k_hat_new, v_prime, keep_new, masked)
+            keys, v_prime_all, key_mask = new_cache.keys, new_cache.v_prime, new_cache.keep
 
         if use_triton:
             from laminae.triton_ops.lucid_attention import lucid_attend
@@ -386,4 +426,4 @@ class LucidAttention(nn.Module):
         else:
             compute = _compute_dtype(q.dtype)
             out = _causal_attention(q.to(compute), keys.to(compute), v_prime_all.to(compute), key_mask).to(q.dtype)
-        return out, LucidCache(keys, k_hat_all, v_prime_all, keep, eps, unit)
+        return out, new_cache

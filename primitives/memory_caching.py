@@ -24,23 +24,22 @@ pool. Everything runs in fp32 (the denominator underflows in bf16).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
-from typing import Hashable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._cache import AppendBuffer, DecodingCache, check_cache
 from ._errors import DeviceError, ShapeError
 from ._validation import (FLOAT_DTYPES, check_keep_mask, check_positive_float, check_positive_int,
-                          check_same_device, check_same_dtype, check_tensor)
+                          check_same_device, check_same_dtype, check_tensor, zero_padding)
 
 _warned_tiles: set[tuple[int, int]] = set()
 
 __all__ = [
     "memory_caching_reference", "check_memory_caching_inputs", "elu_feature_map",
-    "MemoryCacheBranch", "MemoryCacheState", "MemoryCacheEntry",
+    "MemoryCacheBranch", "MemoryCachingCache", "MemoryCacheState",
 ]
 
 
@@ -114,8 +113,11 @@ def memory_caching_reference(
 
     keep = segments(keep)                                     # [B, N, L]
     phi_q = elu_feature_map(segments(q))                      # [B, N, L, H, D]
-    phi_k = elu_feature_map(segments(k)) * keep[..., None, None]
-    v_s = segments(v)
+    kept = keep[..., None, None] > 0
+    zero = torch.zeros((), dtype=cdt, device=q.device)
+    # where, not products: padding (even NaN) must not reach kept tokens through 0·x
+    phi_k = torch.where(kept, elu_feature_map(segments(k)), zero)
+    v_s = torch.where(kept, segments(v), zero)
 
     # Full memories of every segment and every query's read of each of them.
     mem = torch.einsum("bnlhd,bnlhe->bnhde", phi_k, v_s)     # [B, N, H, D, D]
@@ -125,7 +127,7 @@ def memory_caching_reference(
 
     # Own segment: causal within the segment.
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-    scores = torch.einsum("bnlhd,bnmhd->bnhlm", phi_q, phi_k) * causal
+    scores = torch.where(causal, torch.einsum("bnlhd,bnmhd->bnhlm", phi_q, phi_k), zero)
     num_own = torch.einsum("bnhlm,bnmhe->bnlhe", scores, v_s)  # [B, N, L, H, D]
     den_own = scores.sum(-1).permute(0, 1, 3, 2)               # [B, N, L, H]
     diagonal = torch.eye(N, dtype=torch.bool, device=q.device)[None, :, :, None, None]
@@ -133,7 +135,7 @@ def memory_caching_reference(
     den = torch.where(diagonal, den_own[:, :, None], den)
 
     # Gates: softmax over segments i <= s of <u_t, pool_i>; causal running mean on i = s.
-    p_s = segments(p) * keep[..., None]                        # [B, N, L, G]
+    p_s = torch.where(kept[..., 0], segments(p), zero)         # [B, N, L, G]
     u_s = segments(u)
     pool = p_s.sum(2) / keep.sum(2).clamp_min(1)[..., None]    # [B, N, G]
     running = p_s.cumsum(2) / keep.cumsum(2).clamp_min(1)[..., None]
@@ -155,64 +157,57 @@ def memory_caching_reference(
 # ----------------------------------------------------------------------------
 
 
-@dataclass
-class MemoryCacheEntry:
-    """Exact running state of one call site: the closed segments' memories, the
-    open segment's running sums, and how many tokens were seen. All fp32.
+class MemoryCachingCache(DecodingCache):
+    """Exact running state of a :class:`MemoryCacheBranch`: the closed segments'
+    memories, the open segment's running sums and the token count. All fp32, detached.
 
     ``mems`` ``[B, n, H, D, D]``, ``mem_zs`` ``[B, n, H, D]``, ``pools`` ``[B, n, G]``
-    for the n closed segments; ``run_mem`` ``[B, H, D, D]``, ``run_z`` ``[B, H, D]``,
-    ``run_p`` ``[B, G]`` (sum of valid p), ``run_count`` ``[B]`` (valid tokens) for
-    the open one; ``fill`` its token count (< L); ``length`` all tokens seen.
+    for the n closed segments (an :class:`~laminae.primitives._cache.AppendBuffer`,
+    one append per closed segment); ``run_mem`` ``[B, H, D, D]``, ``run_z`` ``[B, H, D]``,
+    ``run_p`` ``[B, G]`` (sum of valid p), ``run_count`` ``[B]`` (valid tokens) for the
+    open one; ``fill`` its token count (< L); ``length`` all tokens seen.
+
+    A prefill only records its (φk, v, p, keep) and the memories are built at the first
+    decoding step, so a training forward pays nothing for the returned cache. A call
+    never changes the cache it was given. A weight-shared (looped) stack that calls
+    one module several times per token keeps one cache per call site.
     """
 
-    mems: torch.Tensor
-    mem_zs: torch.Tensor
-    pools: torch.Tensor
-    run_mem: torch.Tensor
-    run_z: torch.Tensor
-    run_p: torch.Tensor
-    run_count: torch.Tensor
-    fill: int = 0
-    length: int = 0
+    def __init__(self, config: dict | None = None, closed: AppendBuffer | None = None,
+                 run: tuple | None = None, fill: int = 0, length: int = 0, pending: tuple | None = None) -> None:
+        self.config = dict(config or {})
+        self.closed = closed if closed is not None else AppendBuffer()
+        self.run, self.fill, self._length, self.pending = run, fill, length, pending
 
     @property
-    def batch(self) -> int:
-        return self.run_mem.shape[0]
+    def length(self) -> int:
+        return self._length
 
-
-@dataclass
-class MemoryCacheState:
-    """Decoding state of :class:`MemoryCacheBranch`, one entry per call-site key.
-
-    A looped (weight-shared) stack calls one module several times per token with
-    different activations; give each call a distinct ``state_key`` (e.g. the
-    (layer, pass) slot) so each keeps its own memories. ``reset()`` between
-    independent generations.
-
-    Example::
-
-        state = MemoryCacheState()
-        y, state = branch(x_prompt, mask, state=state, state_key=(layer, 0))   # prefill
-        y, state = branch(x_next, state=state, state_key=(layer, 0))           # one token
-    """
-
-    entries: dict[Hashable, MemoryCacheEntry] = field(default_factory=dict)
+    @property
+    def batch(self) -> int | None:
+        if self.pending is not None:
+            return self.pending[0].shape[0]
+        return None if self.run is None else self.run[0].shape[0]
 
     def reset(self) -> None:
-        self.entries.clear()
+        self.closed, self.run, self.fill, self._length, self.pending = AppendBuffer(), None, 0, 0, None
 
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.entries
+    def clone(self) -> "MemoryCachingCache":
+        clone = lambda ts: None if ts is None else tuple(t.clone() for t in ts)  # noqa: E731
+        return MemoryCachingCache(self.config, self.closed.clone(), clone(self.run), self.fill, self._length,
+                                  clone(self.pending))
 
-    def __getitem__(self, key: Hashable) -> MemoryCacheEntry:
-        return self.entries[key]
+    def materialised(self, segment_len: int) -> "MemoryCachingCache":
+        """This cache with the pending prefill turned into memories (a new object)."""
+        if self.pending is None:
+            return self
+        return _capture(*self.pending, segment_len, self.config)
 
-    def pop(self, key: Hashable) -> MemoryCacheEntry | None:
-        return self.entries.pop(key, None)
+
+MemoryCacheState = MemoryCachingCache  # the earlier name
 
 
-def _capture(phi_k, v, p, keep, segment_len: int) -> MemoryCacheEntry:
+def _capture(phi_k, v, p, keep, segment_len: int, config: dict) -> MemoryCachingCache:
     """State after a prefill of S tokens: phi_k, v ``[B, S, H, D]`` (phi_k already
     masked), p ``[B, S, G]`` (masked), keep ``[B, S]``; all fp32."""
     B, S, H, D = phi_k.shape
@@ -223,48 +218,40 @@ def _capture(phi_k, v, p, keep, segment_len: int) -> MemoryCacheEntry:
     ks = phi_k[:, :n].reshape(B, closed, L, H, D)
     vs = v[:, :n].reshape(B, closed, L, H, D)
     counts = keep[:, :n].reshape(B, closed, L).sum(2).clamp_min(1)
-    return MemoryCacheEntry(
-        mems=torch.einsum("bnlhd,bnlhe->bnhde", ks, vs),
-        mem_zs=ks.sum(2),
-        pools=p[:, :n].reshape(B, closed, L, G).sum(2) / counts[..., None],
-        run_mem=torch.einsum("blhd,blhe->bhde", phi_k[:, n:], v[:, n:]),
-        run_z=phi_k[:, n:].sum(1),
-        run_p=p[:, n:].sum(1),
-        run_count=keep[:, n:].sum(1),
-        fill=S - n,
-        length=S,
-    )
+    segments = AppendBuffer.wrap(mems=torch.einsum("bnlhd,bnlhe->bnhde", ks, vs), mem_zs=ks.sum(2),
+                                 pools=p[:, :n].reshape(B, closed, L, G).sum(2) / counts[..., None])
+    run = (torch.einsum("blhd,blhe->bhde", phi_k[:, n:], v[:, n:]), phi_k[:, n:].sum(1), p[:, n:].sum(1),
+           keep[:, n:].sum(1))
+    return MemoryCachingCache(config, segments, run, S - n, S)
 
 
-def _step(entry: MemoryCacheEntry, phi_q, phi_k, v, u, p, keep, segment_len: int, eps: float) -> torch.Tensor:
+def _step(cache: MemoryCachingCache, phi_q, phi_k, v, u, p, keep, segment_len: int,
+          eps: float) -> tuple[torch.Tensor, MemoryCachingCache]:
     """One token: phi_q, phi_k (masked), v ``[B, H, D]``; u, p (masked) ``[B, G]``;
-    keep ``[B]``. Updates ``entry`` in place and returns y ``[B, H, D]``."""
-    entry.run_mem = entry.run_mem + torch.einsum("bhd,bhe->bhde", phi_k, v)
-    entry.run_z = entry.run_z + phi_k
-    entry.run_p = entry.run_p + p
-    entry.run_count = entry.run_count + keep
-    entry.fill += 1
-    entry.length += 1
+    keep ``[B]``. Returns y ``[B, H, D]`` and the advanced cache (``cache`` unchanged)."""
+    run_mem, run_z, run_p, run_count = cache.run
+    run_mem = run_mem + torch.einsum("bhd,bhe->bhde", phi_k, v)
+    run_z, run_p, run_count = run_z + phi_k, run_p + p, run_count + keep
+    fill, length = cache.fill + 1, cache.length + 1
 
-    running_pool = entry.run_p / entry.run_count.clamp_min(1)[:, None]
-    num = torch.cat([torch.einsum("bhd,bnhde->bnhe", phi_q, entry.mems),
-                     torch.einsum("bhd,bhde->bhe", phi_q, entry.run_mem)[:, None]], dim=1)   # [B, n+1, H, D]
-    den = torch.cat([torch.einsum("bhd,bnhd->bnh", phi_q, entry.mem_zs),
-                     torch.einsum("bhd,bhd->bh", phi_q, entry.run_z)[:, None]], dim=1)       # [B, n+1, H]
-    score = torch.cat([torch.einsum("bg,bng->bn", u, entry.pools), (u * running_pool).sum(-1, keepdim=True)], 1)
-    gamma = torch.softmax(score, dim=1)                                                       # [B, n+1]
+    mems, mem_zs, pools = (cache.closed.get(n) for n in ("mems", "mem_zs", "pools"))
+    running_pool = run_p / run_count.clamp_min(1)[:, None]
+    num = torch.einsum("bhd,bhde->bhe", phi_q, run_mem)[:, None]                          # [B, 1, H, D]
+    den = torch.einsum("bhd,bhd->bh", phi_q, run_z)[:, None]                              # [B, 1, H]
+    score = (u * running_pool).sum(-1, keepdim=True)                                      # [B, 1]
+    if mems is not None and mems.shape[1]:
+        num = torch.cat([torch.einsum("bhd,bnhde->bnhe", phi_q, mems), num], dim=1)      # [B, n+1, H, D]
+        den = torch.cat([torch.einsum("bhd,bnhd->bnh", phi_q, mem_zs), den], dim=1)
+        score = torch.cat([torch.einsum("bg,bng->bn", u, pools), score], 1)
+    gamma = torch.softmax(score, dim=1)                                                   # [B, n+1]
     y = (gamma[:, :, None, None] * num).sum(1) / ((gamma[:, :, None] * den).sum(1)[..., None] + eps)
 
-    if entry.fill == segment_len:   # the open segment is complete: close it
-        entry.mems = torch.cat([entry.mems, entry.run_mem[:, None]], 1)
-        entry.mem_zs = torch.cat([entry.mem_zs, entry.run_z[:, None]], 1)
-        entry.pools = torch.cat([entry.pools, running_pool[:, None]], 1)
-        entry.run_mem = torch.zeros_like(entry.run_mem)
-        entry.run_z = torch.zeros_like(entry.run_z)
-        entry.run_p = torch.zeros_like(entry.run_p)
-        entry.run_count = torch.zeros_like(entry.run_count)
-        entry.fill = 0
-    return y
+    closed = cache.closed
+    if fill == segment_len:   # the open segment is complete: close it
+        closed = closed.append(mems=run_mem[:, None], mem_zs=run_z[:, None], pools=running_pool[:, None])
+        run_mem, run_z, run_p, run_count = (torch.zeros_like(t) for t in (run_mem, run_z, run_p, run_count))
+        fill = 0
+    return y, MemoryCachingCache(cache.config, closed, (run_mem, run_z, run_p, run_count), fill, length)
 
 
 # ----------------------------------------------------------------------------
@@ -290,18 +277,20 @@ class MemoryCacheBranch(nn.Module):
     ``q_proj``, ``k_proj``, ``v_proj`` [H·D, hidden], ``o_proj`` [hidden, H·D],
     ``u_proj``, ``p_proj`` [G, hidden]. No buffers.
 
-    ``forward(x, attention_mask=None, state=None, state_key=0) -> (y, state)``:
+    ``forward(x, attention_mask=None, cache=None) -> (y, cache)``:
     ``x`` ``[B, S, hidden]`` (any float dtype; the branch runs in fp32 and returns
     ``x.dtype``), ``attention_mask`` an optional ``(B, S)`` keep mask for the S
-    tokens of ``x``. Without ``state`` it is a plain forward. With a
-    :class:`MemoryCacheState`: if ``state`` has no entry for ``state_key`` this is
-    a prefill (full forward, then the entry is captured); otherwise the S tokens
-    continue that entry one at a time (exact: prefill + steps == full forward).
+    tokens of ``x``. Without a cache (or an empty one) it is the full forward; with
+    the :class:`MemoryCachingCache` of an earlier call the S tokens continue it one
+    at a time (exact: prefill + steps == full forward; steps run without autograd).
+    The returned cache holds these tokens too; the one passed in is unchanged.
 
     Example::
 
         branch = MemoryCacheBranch(256, num_heads=4, head_dim=32, segment_len=64, gate_dim=64)
         y, _ = branch(x)                                  # training / full sequence
+        y, cache = branch(x_prompt, prompt_mask)          # prefill
+        y1, cache = branch(x_next, cache=cache)           # one token
     """
 
     def __init__(
@@ -345,19 +334,20 @@ class MemoryCacheBranch(nn.Module):
         return (lin(self.q_proj).view(B, S, H, D), lin(self.k_proj).view(B, S, H, D),
                 lin(self.v_proj).view(B, S, H, D), lin(self.u_proj), lin(self.p_proj))
 
-    def _check(self, x, attention_mask, state) -> None:
+    def _check(self, x, attention_mask, cache) -> None:
         check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="[batch, seq, hidden]")
         if x.shape[-1] != self.hidden_size:
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         if x.shape[1] == 0:
             raise ShapeError(f"`x` needs at least one token, got shape {tuple(x.shape)}")
+        check_same_device(x=x, attention_mask=attention_mask, weight=self.q_proj.weight)
         check_keep_mask("attention_mask", attention_mask, x.shape[0], x.shape[1])
-        if x.device != self.q_proj.weight.device:
-            raise DeviceError(f"`x` is on {x.device} but the parameters are on {self.q_proj.weight.device}")
-        if attention_mask is not None and attention_mask.device != x.device:
-            raise DeviceError(f"`attention_mask` is on {attention_mask.device} but `x` is on {x.device}")
-        if state is not None and not isinstance(state, MemoryCacheState):
-            raise TypeError(f"`state` must be a MemoryCacheState or None, got {type(state).__name__}")
+        if cache is not None:
+            check_cache(cache, MemoryCachingCache, self._cache_config(), batch=x.shape[0])
+
+    def _cache_config(self) -> dict:
+        return {"num_heads": self.num_heads, "head_dim": self.head_dim, "segment_len": self.segment_len,
+                "gate_dim": self.gate_dim}
 
     def _readout(self, q, k, v, u, p, mask) -> torch.Tensor:
         if resolve_backend(self.backend, q) == "triton":
@@ -377,31 +367,32 @@ class MemoryCacheBranch(nn.Module):
         self,
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        state: MemoryCacheState | None = None,
-        state_key: Hashable = 0,
-    ) -> tuple[torch.Tensor, MemoryCacheState | None]:
-        self._check(x, attention_mask, state)
+        cache: MemoryCachingCache | None = None,
+    ) -> tuple[torch.Tensor, MemoryCachingCache]:
+        self._check(x, attention_mask, cache)
         B, S, _ = x.shape
+        (x,) = zero_padding(attention_mask, x)   # padded tokens (even NaN) reach nothing
         with torch.autocast(device_type=x.device.type, enabled=False):
             xf = x.float()
             q, k, v, u, p = self._project(xf)
             keep = None if attention_mask is None else attention_mask.to(torch.float32)
-            entry = None if state is None else state.entries.get(state_key)
-            if entry is None:
+            kf = torch.ones(B, S, device=x.device) if keep is None else keep
+            if cache is None or cache.length == 0:
                 y = self._readout(q, k, v, u, p, keep)
-                if state is not None:
-                    with torch.no_grad():
-                        kf = torch.ones(B, S, device=x.device) if keep is None else keep
-                        state.entries[state_key] = _capture(
-                            elu_feature_map(k) * kf[..., None, None], v, p * kf[..., None], kf, self.segment_len)
+                kept = kf[..., None, None] > 0
+                pending = tuple(t.detach() for t in (torch.where(kept, elu_feature_map(k), 0.0), v,
+                                                     torch.where(kept[..., 0], p, 0.0), kf))
+                cache = MemoryCachingCache(self._cache_config(), length=S, pending=pending)
             else:
-                if entry.batch != B:
-                    raise ShapeError(f"`state` entry {state_key!r} holds batch {entry.batch}, got x with batch {B}; "
-                                     "reset the state between generations")
-                kf = torch.ones(B, S, device=x.device) if keep is None else keep
-                phi_q, phi_k = elu_feature_map(q), elu_feature_map(k) * kf[..., None, None]
-                pm = p * kf[..., None]
-                y = torch.stack([_step(entry, phi_q[:, t], phi_k[:, t], v[:, t], u[:, t], pm[:, t], kf[:, t],
-                                       self.segment_len, self.eps) for t in range(S)], dim=1)
+                with torch.no_grad():
+                    cache = cache.materialised(self.segment_len)
+                    phi_q, phi_k = elu_feature_map(q), torch.where(kf[..., None, None] > 0, elu_feature_map(k), 0.0)
+                    pm = torch.where(kf[..., None] > 0, p, 0.0)
+                    ys = []
+                    for t in range(S):
+                        yt, cache = _step(cache, phi_q[:, t], phi_k[:, t], v[:, t], u[:, t], pm[:, t], kf[:, t],
+                                          self.segment_len, self.eps)
+                        ys.append(yt)
+                y = torch.stack(ys, dim=1)
             out = F.linear(y.reshape(B, S, -1), self.o_proj.weight.float())
-        return out.to(x.dtype), state
+        return out.to(x.dtype), cache

@@ -22,7 +22,6 @@ read (``laminae.triton_ops.mom_read``) touches only the ``Tk·bs`` selected slot
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Iterable, NamedTuple
 
 import torch
@@ -30,8 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, ShapeError
-from ._validation import FLOAT_DTYPES, check_positive_int, check_same_device, check_tensor
+from ._validation import (FLOAT_DTYPES, check_keep_mask, check_param_dtype, check_positive_int, check_same_device,
+                          check_tensor, zero_padding)
 
 __all__ = [
     "GATE_FLOOR",
@@ -46,6 +47,7 @@ __all__ = [
     "collect_mom_aux_loss",
     "MoMRouting",
     "MoMAuxStats",
+    "MoMReadCache",
     "MoMReadState",
     "MoMReadOutput",
     "MoMRead",
@@ -64,17 +66,27 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # ----------------------------------------------------------------------------
 
 
-def mom_prefix_mean(x: torch.Tensor, prefix_sum: torch.Tensor | None = None, count: int = 0) -> torch.Tensor:
+def mom_prefix_mean(x: torch.Tensor, prefix_sum: torch.Tensor | None = None, count: int = 0,
+                    keep: torch.Tensor | None = None, prefix_kept: torch.Tensor | None = None) -> torch.Tensor:
     """Causal prefix mean ``h_t = mean(x_0..x_t)`` in fp32 (fp64 for fp64 input).
 
     ``x`` ``[B, S, D]``. With ``prefix_sum`` ``[B, D]`` (the fp32 sum of the ``count``
-    tokens before this chunk) the chunk continues a running mean: decoding.
+    tokens before this chunk) the chunk continues a running mean: decoding. With a
+    ``(B, S)`` keep mask the mean runs over kept tokens only (``prefix_kept`` ``[B]``:
+    kept tokens before this chunk); a position with no kept token so far gets 0.
     """
-    cs = torch.cumsum(x.to(_compute_dtype(x.dtype)), dim=1)
+    xc = x.to(_compute_dtype(x.dtype))
+    if keep is not None:
+        xc = torch.where(keep.to(x.device).bool()[..., None], xc, torch.zeros((), dtype=xc.dtype, device=x.device))
+    cs = torch.cumsum(xc, dim=1)
     if prefix_sum is not None:
         cs = cs + prefix_sum.to(cs.dtype).unsqueeze(1)
-    denom = torch.arange(count + 1, count + x.shape[1] + 1, device=x.device, dtype=cs.dtype)
-    return cs / denom.view(1, -1, 1)
+    if keep is None and prefix_kept is None:
+        denom = torch.arange(count + 1, count + x.shape[1] + 1, device=x.device, dtype=cs.dtype)
+        return cs / denom.view(1, -1, 1)
+    kept = torch.ones(x.shape[:2], dtype=cs.dtype, device=x.device) if keep is None else keep.to(x.device, cs.dtype)
+    before = prefix_kept.to(cs.dtype)[:, None] if prefix_kept is not None else float(count)
+    return cs / (before + torch.cumsum(kept, dim=1)).clamp_min(1.0)[..., None]
 
 
 def mom_router_logits(h: torch.Tensor, router_down_weight: torch.Tensor,
@@ -271,25 +283,41 @@ def collect_mom_aux_loss(modules: Iterable[nn.Module], device: torch.device | st
 # ----------------------------------------------------------------------------
 
 
-@dataclass
-class MoMReadState:
+class MoMReadCache(DecodingCache):
     """The running fp32 sum of the layer inputs seen so far (``prefix_sum`` ``[B, D]``,
     ``None`` before the first token) and their count. The router of a new token needs
-    only this; the bank read has no per-token cache. Start with ``MoMReadState()``.
+    only this; the bank read has no per-token cache. Returned by :class:`MoMRead`; a
+    call never changes the cache it was given.
 
     Example::
 
-        out, state = mom(x_prompt, bank, state=MoMReadState())
-        out, state = mom(x_next, bank, state=state)               # one token at a time
+        out, cache = mom(x_prompt, bank)                 # prefill
+        out, cache = mom(x_next, bank, cache=cache)      # one token at a time
     """
 
-    prefix_sum: torch.Tensor | None = None
-    count: int = 0
+    def __init__(self, prefix_sum: torch.Tensor | None = None, count: int = 0, config: dict | None = None,
+                 kept: torch.Tensor | None = None) -> None:
+        # kept: [B] kept tokens so far, None while no padding mask was ever passed (= count)
+        self.prefix_sum, self.count, self.config, self.kept = prefix_sum, int(count), dict(config or {}), kept
+
+    @property
+    def length(self) -> int:
+        return self.count
+
+    @property
+    def batch(self) -> int | None:
+        return None if self.prefix_sum is None else self.prefix_sum.shape[0]
+
+    def reset(self) -> None:
+        self.prefix_sum, self.count, self.kept = None, 0, None
+
+
+MoMReadState = MoMReadCache  # the earlier name
 
 
 class MoMReadOutput(NamedTuple):
     output: torch.Tensor              # [B, S, D], added to the residual stream
-    state: MoMReadState | None        # advanced state when one was passed, else None
+    cache: MoMReadCache               # holds this call's tokens too
 
 
 # ----------------------------------------------------------------------------
@@ -401,7 +429,7 @@ class MoMRead(nn.Module):
                 f"block_size={self.block_size}, top_blocks={self.top_blocks}, router_rank={self.router_rank}, "
                 f"backend={self.backend!r}")
 
-    def _check(self, x: torch.Tensor, M_blocks: torch.Tensor | None, state: MoMReadState | None) -> None:
+    def _check(self, x: torch.Tensor, M_blocks: torch.Tensor | None, state: MoMReadCache | None) -> None:
         check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="(batch, seq, hidden)")
         if x.shape[-1] != self.hidden_size:
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
@@ -412,22 +440,31 @@ class MoMRead(nn.Module):
         check_tensor("M_blocks", M_blocks, shape=(self.num_blocks, self.block_size * self.hidden_size),
                      dtypes=FLOAT_DTYPES, layout="(num_blocks, block_size * hidden_size)")
         check_same_device(x=x, M_blocks=M_blocks, weight=self.q_proj.weight)
+        check_param_dtype("x", x, self.q_proj.weight)
+        check_param_dtype("M_blocks", M_blocks, self.k_proj.weight)
         if state is not None:
-            if not isinstance(state, MoMReadState):
-                raise TypeError(f"`state` must be a MoMReadState, got {type(state).__name__}")
+            check_cache(state, MoMReadCache, {"hidden_size": self.hidden_size}, batch=x.shape[0])
             if state.prefix_sum is not None:
-                check_tensor("state.prefix_sum", state.prefix_sum, shape=(x.shape[0], self.hidden_size),
+                check_tensor("cache.prefix_sum", state.prefix_sum, shape=(x.shape[0], self.hidden_size),
                              layout="(batch, hidden)")
                 check_same_device(x=x, prefix_sum=state.prefix_sum)
 
-    def forward(self, x: torch.Tensor, M_blocks: torch.Tensor,
-                state: MoMReadState | None = None) -> MoMReadOutput:
-        """``x`` ``[B, S, D]`` (the ``mom_norm`` output), ``M_blocks`` ``[E, bs·D]``.
-        Returns ``(y [B, S, D], state)``; ``state`` is ``None`` unless one was passed."""
+    def forward(self, x: torch.Tensor, M_blocks: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: MoMReadCache | None = None) -> MoMReadOutput:
+        """``x`` ``[B, S, D]`` (the ``mom_norm`` output), ``M_blocks`` ``[E, bs·D]``,
+        ``attention_mask`` an optional ``(B, S)`` keep mask: the router's prefix mean then
+        runs over kept tokens only (padding never reaches a kept token; the load-balance
+        statistics still count every row). Returns ``(y [B, S, D], cache)``; the cache
+        passed in is unchanged."""
+        state = cache
         self._check(x, M_blocks, state)
         B, S, D = x.shape
+        check_same_device(x=x, attention_mask=attention_mask)
+        check_keep_mask("attention_mask", attention_mask, B, S)
+        (x,) = zero_padding(attention_mask, x)
         prefix_sum, count = (state.prefix_sum, state.count) if state is not None else (None, 0)
-        h = mom_prefix_mean(x, prefix_sum, count)
+        prefix_kept = state.kept if state is not None else None
+        h = mom_prefix_mean(x, prefix_sum, count, attention_mask, prefix_kept)
         # Router first, before any read computation: the Gumbel draw sits at the same
         # point of the RNG stream as in the seed.
         logits = mom_router_logits(h, self.router_down.weight, self.router_up.weight)
@@ -449,11 +486,14 @@ class MoMRead(nn.Module):
                  self.bias_in_activation_dtype)
         y = self.mom_scale * F.linear(o.reshape(B, S, D), self.o_proj.weight)
 
-        new_state = None
-        if state is not None:
+        with torch.no_grad():
             # the last row of the prefix mean's cumulative sum: prefix_sum + Σ x
-            running = torch.cumsum(x.to(_compute_dtype(x.dtype)), dim=1)[:, -1]
+            running = x.to(_compute_dtype(x.dtype)).sum(dim=1)
             if prefix_sum is not None:
                 running = running + prefix_sum.to(running.dtype)
-            new_state = MoMReadState(running.detach(), count + S)
-        return MoMReadOutput(y, new_state)
+            kept = None
+            if attention_mask is not None or prefix_kept is not None:
+                new = (torch.full((B,), float(S), device=x.device) if attention_mask is None
+                       else attention_mask.to(x.device, torch.float32).sum(1))
+                kept = new + (prefix_kept if prefix_kept is not None else float(count))
+        return MoMReadOutput(y, MoMReadCache(running, count + S, {"hidden_size": self.hidden_size}, kept))

@@ -254,6 +254,10 @@ def _check_branch(name: str, out: object, h: torch.Tensor) -> torch.Tensor:
         raise ShapeError(
             f"the {name} sublayer must return its input's shape {tuple(h.shape)}, got {tuple(out.shape)}"
         )
+    if out.dtype != h.dtype and torch.is_autocast_enabled(h.device.type):
+        # the cast policy: under autocast a sublayer returns the autocast dtype; the
+        # streams keep theirs (the residual stream's precision is the point of fp32 streams)
+        return out.to(h.dtype)
     if out.dtype != h.dtype:
         raise DTypeError(
             f"the {name} sublayer must return the streams' dtype {str(h.dtype).replace('torch.', '')}, "

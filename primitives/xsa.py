@@ -31,7 +31,8 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, ShapeError
-from ._validation import check_choice, check_positive_int, check_same_device, check_same_dtype, check_tensor
+from ._validation import (check_choice, check_positive_int, check_same_device, check_same_dtype, check_tensor,
+                          match_activation_dtypes, without_autocast)
 
 __all__ = ["xsa_reference", "ExclusiveSelfAttention", "XSA_MODES", "xsa_eps", "check_xsa_inputs"]
 
@@ -149,9 +150,13 @@ class ExclusiveSelfAttention(nn.Module):
                 f"mode={self.mode!r}, eps={self.eps}, backend={self.backend!r}")
 
     def forward(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        check_tensor("y", y, ndim=4, layout="(batch, seq, num_heads, head_dim)")
+        check_tensor("v", v, ndim=4, layout="(batch, seq, num_kv_heads, head_dim)")
+        y, v = match_activation_dtypes(y=y, v=v)
         check_xsa_inputs(y, v, self.num_heads, self.num_kv_heads, self.head_dim)
-        if resolve_backend(self.backend, y, v) == "triton":
-            from laminae.triton_ops.xsa import xsa
+        with without_autocast(y.device.type):
+            if resolve_backend(self.backend, y, v) == "triton":
+                from laminae.triton_ops.xsa import xsa
 
-            return xsa(y, v, mode=self.mode, eps=self.eps)
-        return xsa_reference(y, v, mode=self.mode, eps=self.eps)
+                return xsa(y, v, mode=self.mode, eps=self.eps)
+            return xsa_reference(y, v, mode=self.mode, eps=self.eps)

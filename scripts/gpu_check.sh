@@ -19,6 +19,7 @@ PY="${PYTHON:-python3}"
 
 timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
 timeout 120 "$PY" -m laminae.triton_ops.tour --reps 20 2>&1 | tee "$OUT/tour.log" | tail -20
+timeout 120 "$PY" -m laminae.triton_ops.tour --reps 3 --device cuda --dtype bfloat16 2>&1 | tee "$OUT/tour_bf16.log" | tail -20
 timeout "${BENCH_TIMEOUT:-300}" "$PY" -m pytest -q bench -p no:cacheprovider -k "${BENCH_FILTER:-not compiled}" \
   --benchmark-json="$OUT/bench.json" > "$OUT/bench.log" 2>&1
 "$PY" bench/report.py "$OUT/bench.json" --png "$OUT/bench.png" > "$OUT/bench.md" 2>&1

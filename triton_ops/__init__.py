@@ -7,7 +7,15 @@ Each public function has the signature of its ``*_reference`` twin in
 Exports load lazily: importing this package does not import triton, so
 ``TRITON_INTERPRET`` can still be set (the tour and the tests do) before the
 first kernel is defined.
+
+Where a function shares its name with its file (``xsa``, ``laurel``, ...),
+``laminae.triton_ops.xsa`` is the function, also after the file was imported (Python
+would otherwise bind the submodule to that name). The kernel file itself is
+``importlib.import_module("laminae.triton_ops.xsa")`` or ``from laminae.triton_ops.xsa
+import ...``.
 """
+import sys
+import types
 from importlib import import_module
 
 _EXPORTS = {
@@ -36,6 +44,18 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # the import system binds a loaded submodule to the package attribute of its
+        # name; where that name is the exported function, bind the function instead
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name and hasattr(value, name):
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name):

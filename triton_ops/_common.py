@@ -10,6 +10,10 @@ from typing import Any, Callable, Iterator
 import torch
 import triton
 
+# Whether the kernels below are interpreter functions: triton.jit reads TRITON_INTERPRET
+# when a kernel is defined, so setting it later has no effect (resolve_backend says so).
+INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
 # Tests flip this so every fresh output starts as NaN: an element a kernel forgets
 # to write then fails the comparison instead of passing on leftover memory.
 _FILL_NAN = os.environ.get("LAMINAE_FILL_NAN", "0") == "1"

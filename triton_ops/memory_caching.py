@@ -460,7 +460,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, g, _gden):
     q, k, v, gamma, keep, y, den = ctx.saved_tensors
-    dq, dk, dv, dgamma = _memory_caching_core_bwd(g.contiguous(), q, k, v, gamma, keep, y, den, ctx.segment_len)
+    # backward runs under the caller's autocast; its torch matmuls must stay fp32 like
+    # the forward's (which the module runs with autocast off)
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        dq, dk, dv, dgamma = _memory_caching_core_bwd(g.contiguous(), q, k, v, gamma, keep, y, den,
+                                                      ctx.segment_len)
     return dq, dk, dv, dgamma, None, None, None
 
 

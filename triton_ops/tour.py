@@ -1,6 +1,7 @@
 """The main job: every implemented mechanism's Triton op against its reference.
 
     python -m laminae.triton_ops.tour            (or the ``laminae-tour`` script)
+    laminae-tour --device cuda --dtype bfloat16  (every kernel on a GPU, in bf16)
 
 For each mechanism it runs the kernel and the reference on small random inputs,
 forward and backward with a shared random upstream gradient, and prints the
@@ -73,21 +74,37 @@ def _time_fwd_bwd(fn: Callable, inputs: Mapping[str, object], grad_names: Sequen
     return (time.perf_counter() - t0) / reps * 1e3
 
 
-def run(mechanisms: Sequence[str], reps: int) -> int:
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def _cast(inputs: Mapping[str, object], dtype) -> dict:
+    """fp32 tensors of a tour case in ``dtype`` (integer inputs such as indices stay)."""
+    import torch
+
+    return {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v
+            for k, v in inputs.items()}
+
+
+def run(mechanisms: Sequence[str], reps: int, device=None, dtype=None) -> int:
     import torch
 
     from laminae.primitives._backend import backend_label
 
     from ._parity import parity, tolerance
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or torch.float32
     rows = []
     failed = False
     for stem in mechanisms:
         module = importlib.import_module(f"laminae.triton_ops.{stem}")
         cases = module.tour_case(device)
         for case in cases if isinstance(cases, (list, tuple)) else [cases]:
-            result = parity(case.op, case.reference, case.inputs, case.grad_names, seed=0)
+            if dtype != torch.float32:
+                case.inputs = _cast(case.inputs, dtype)
+            result = parity(case.op, case.reference, case.inputs, case.grad_names, dtype=dtype, seed=0)
             ref_ms = _time_fwd_bwd(case.reference, case.inputs, case.grad_names, device, reps)
             if device.type == "cuda":
                 tri_ms = _time_fwd_bwd(case.op, case.inputs, case.grad_names, device, reps)
@@ -107,9 +124,11 @@ def run(mechanisms: Sequence[str], reps: int) -> int:
     print("-+-".join("-" * w for w in widths))
     for r in rows:
         print(fmt.format(*r))
-    atol_f, rtol_f = tolerance(torch.float32, "fwd")
-    atol_b, rtol_b = tolerance(torch.float32, "bwd")
-    print(f"\nfp32 tolerances: forward atol={atol_f} rtol={rtol_f}; backward atol={atol_b} rtol={rtol_b}")
+    atol_f, rtol_f = tolerance(dtype, "fwd")
+    atol_b, rtol_b = tolerance(dtype, "bwd")
+    name = str(dtype).replace("torch.", "")
+    extra = "" if dtype == torch.float32 else " (plus twice the same-dtype reference's error vs fp32)"
+    print(f"\n{name} tolerances: forward atol={atol_f} rtol={rtol_f}; backward atol={atol_b} rtol={rtol_b}{extra}")
     print("FAILED" if failed else f"all {len(rows)} checks within tolerance")
     return 1 if failed else 0
 
@@ -118,12 +137,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="laminae-tour", description=__doc__.split("\n\n")[0])
     parser.add_argument("mechanisms", nargs="*", default=MECHANISMS, help="subset of mechanism stems")
     parser.add_argument("--reps", type=int, default=3, help="timing repetitions")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="where to run (default: cuda when available, else cpu with the interpreter)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="input dtype; bfloat16/float16 are checked against the fp32 reference (GPU only)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.mechanisms) - set(MECHANISMS))
     if unknown:
         parser.error(f"unknown mechanisms {unknown}; choose from {MECHANISMS}")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, DTYPES[args.dtype])
+    if device == "cpu" and dtype != torch.float32:
+        parser.error(f"--dtype {args.dtype} needs --device cuda: the CPU interpreter multiplies bf16/fp16 "
+                     "inexactly in tl.dot, so only float32 is checked there")
     _prepare_environment()
-    return run(args.mechanisms, args.reps)
+    return run(args.mechanisms, args.reps, device, dtype)
 
 
 if __name__ == "__main__":

@@ -214,18 +214,18 @@ def test_prefill_then_single_token_steps_equal_the_full_forward(max_ngram, prefi
     engram = EngramModule(24, 8, num_heads=2, table_size=29, max_ngram=max_ngram, gate_init_bias=0.5,
                           backend="reference")
     x = torch.randn(2, 9, 24)
-    full = engram.forward_with_state(x)
-    assert torch.equal(full.output, engram(x))
+    full = engram(x)
+    assert full.cache.length == 9
     outs, reads = [], []
     state = None
     if prefill:
-        res = engram.forward_with_state(x[:, :prefill], state)
+        res = engram(x[:, :prefill], state)
         outs.append(res.output), reads.append(res.retrieved)
-        state = res.state
+        state = res.cache
     for t in range(prefill, 9):
-        res = engram.forward_with_state(x[:, t:t + 1], state)
+        res = engram(x[:, t:t + 1], state)
         outs.append(res.output), reads.append(res.retrieved)
-        state = res.state
+        state = res.cache
         expected_len = min(max_ngram - 1, t + 1)
         assert (state.prefix is None) if max_ngram == 1 else state.prefix.shape[1] == expected_len
     # bit-identical: the boundary n-grams are hashed from the same cached vectors

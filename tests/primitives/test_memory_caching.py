@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
-from laminae.primitives.memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
+from laminae.primitives.memory_caching import MemoryCacheBranch, MemoryCachingCache, memory_caching_reference
 
 
 def seed_mc_forward(m: MemoryCacheBranch, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -75,9 +75,10 @@ def test_reference_equals_seed_math(S, masked):
     m = _branch()
     x = torch.randn(2, S, 12)
     mask = _ragged(2, S) if masked else None
-    y, state = m(x, mask)
-    assert state is None
-    torch.testing.assert_close(y, seed_mc_forward(m, x, mask), atol=1e-5, rtol=1e-5)
+    y, cache = m(x, mask)
+    assert isinstance(cache, MemoryCachingCache) and cache.length == S
+    kept = slice(None) if mask is None else mask.bool()   # the module zeroes padded tokens first
+    torch.testing.assert_close(y[kept], seed_mc_forward(m, x, mask)[kept], atol=1e-5, rtol=1e-5)
 
 
 def test_state_dict_of_seed_loads_strictly():
@@ -125,13 +126,13 @@ def test_single_segment_without_earlier_memory_is_causal_linear_attention():
     torch.testing.assert_close(y, want)
 
 
-def _decode(m, x, mask, prefix, state, key):
-    y0, state = m(x[:, :prefix], None if mask is None else mask[:, :prefix], state=state, state_key=key)
+def _decode(m, x, mask, prefix):
+    y0, cache = m(x[:, :prefix], None if mask is None else mask[:, :prefix])
     ys = [y0]
     for t in range(prefix, x.shape[1]):
-        yt, state = m(x[:, t:t + 1], None if mask is None else mask[:, t:t + 1], state=state, state_key=key)
+        yt, cache = m(x[:, t:t + 1], None if mask is None else mask[:, t:t + 1], cache=cache)
         ys.append(yt)
-    return torch.cat(ys, 1), state
+    return torch.cat(ys, 1), cache
 
 
 @pytest.mark.parametrize("S, prefix", [(13, 5), (13, 8), (3, 1), (3, 3), (9, 2), (12, 12)])
@@ -142,8 +143,8 @@ def test_prefill_then_steps_equals_full_forward(S, prefix, masked):
     mask = _ragged(2, S) if masked else None
     full, _ = m(x, mask)
     with torch.no_grad():
-        dec, state = _decode(m, x, mask, prefix, MemoryCacheState(), "a")
-    assert state["a"].length == S
+        dec, cache = _decode(m, x, mask, prefix)
+    assert cache.length == S
     assert (dec - full).abs().max() < 1e-5
 
 
@@ -152,33 +153,32 @@ def test_multi_token_continuation_equals_full_forward():
     x = torch.randn(2, 15, 12)
     full, _ = m(x)
     with torch.no_grad():
-        state = MemoryCacheState()
-        a, state = m(x[:, :6], state=state)
-        b, state = m(x[:, 6:15], state=state)
+        a, cache = m(x[:, :6])
+        b, cache = m(x[:, 6:15], cache=cache)
     torch.testing.assert_close(torch.cat([a, b], 1), full, atol=1e-5, rtol=1e-5)
 
 
-def test_two_call_site_keys_keep_separate_states():
-    """A looped stack: one module called twice per token with different activations."""
+def test_two_call_sites_keep_separate_caches():
+    """A looped stack: one module called twice per token with different activations,
+    one cache per call site."""
     m = _branch()
     x1, x2 = torch.randn(2, 10, 12), torch.randn(2, 10, 12)
     full1, _ = m(x1)
     full2, _ = m(x2)
     with torch.no_grad():
-        state = MemoryCacheState()
-        o1, state = m(x1[:, :3], state=state, state_key=(0, 0))
-        o2, state = m(x2[:, :3], state=state, state_key=(0, 1))
+        caches = {}
+        o1, caches[0, 0] = m(x1[:, :3])
+        o2, caches[0, 1] = m(x2[:, :3])
         outs1, outs2 = [o1], [o2]
         for t in range(3, 10):
-            o1, state = m(x1[:, t:t + 1], state=state, state_key=(0, 0))
-            o2, state = m(x2[:, t:t + 1], state=state, state_key=(0, 1))
+            o1, caches[0, 0] = m(x1[:, t:t + 1], cache=caches[0, 0])
+            o2, caches[0, 1] = m(x2[:, t:t + 1], cache=caches[0, 1])
             outs1.append(o1)
             outs2.append(o2)
-    assert set(state.entries) == {(0, 0), (0, 1)}
     torch.testing.assert_close(torch.cat(outs1, 1), full1, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(torch.cat(outs2, 1), full2, atol=1e-5, rtol=1e-5)
-    state.reset()
-    assert not state.entries
+    caches[0, 0].reset()
+    assert caches[0, 0].length == 0
 
 
 def test_bf16_input_runs_in_fp32_and_returns_bf16():
@@ -221,12 +221,14 @@ def test_errors():
     with pytest.raises(ConfigError):
         MemoryCacheBranch(12, eps=0.0)
     with pytest.raises(TypeError):
-        m(torch.randn(2, 5, 12), state={})
-    state = MemoryCacheState()
+        m(torch.randn(2, 5, 12), cache={})
     with torch.no_grad():
-        _, state = m(torch.randn(2, 5, 12), state=state)
+        _, cache = m(torch.randn(2, 5, 12))
         with pytest.raises(ShapeError):
-            m(torch.randn(3, 1, 12), state=state)
+            m(torch.randn(3, 1, 12), cache=cache)
+        with pytest.raises(ConfigError, match="segment_len"):
+            MemoryCacheBranch(12, num_heads=2, head_dim=4, segment_len=5, gate_dim=3)(torch.randn(2, 1, 12),
+                                                                                       cache=cache)
     q = torch.randn(1, 4, 2, 3)
     u = torch.randn(1, 4, 5)
     with pytest.raises(ShapeError):

@@ -148,8 +148,8 @@ def test_module_equals_literal_seed_math(training):
     torch.manual_seed(123)
     expected = seed_mod(x, bank)
     torch.manual_seed(123)
-    got, state = ours(x, bank)
-    assert state is None
+    got, cache = ours(x, bank)
+    assert isinstance(cache, MoMReadState) and cache.length == x.shape[1]
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
     if training:
         assert torch.equal(ours.last_top_idx, seed_mod.last_top_idx)
@@ -411,14 +411,14 @@ def test_decode_prefill_and_steps_equal_the_full_forward():
     bank = torch.randn(6, 4 * 32)
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
-        full, none = m(x, bank)
-        assert none is None
-        out, state = m(x[:, :5], bank, state=MoMReadState())
+        full, cache = m(x, bank)
+        assert cache.length == 16
+        out, state = m(x[:, :5], bank, cache=None)
         outs = [out]
         for t in range(5, 16):
-            out, state = m(x[:, t:t + 1], bank, state=state)
+            out, state = m(x[:, t:t + 1], bank, cache=state)
             outs.append(out)
-        chunked, state2 = m(x[:, 5:], bank, state=m(x[:, :5], bank, state=MoMReadState()).state)
+        chunked, state2 = m(x[:, 5:], bank, cache=m(x[:, :5], bank).cache)
     decoded = torch.cat(outs, 1)
     assert state.count == 16 and state2.count == 16
     torch.testing.assert_close(state.prefix_sum, x.sum(1), atol=1e-5, rtol=1e-5)
@@ -463,7 +463,7 @@ def test_forward_errors():
         m(torch.randint(0, 3, (1, 4, 32)), bank)
     with pytest.raises(DeviceError):
         m(torch.randn(1, 4, 32), bank.to("meta"))
-    with pytest.raises(ShapeError, match="prefix_sum"):
-        m(torch.randn(2, 1, 32), bank, state=MoMReadState(torch.zeros(3, 32), 4))
-    with pytest.raises(TypeError, match="MoMReadState"):
-        m(torch.randn(2, 1, 32), bank, state=(torch.zeros(2, 32), 4))
+    with pytest.raises(ShapeError, match="batch size"):
+        m(torch.randn(2, 1, 32), bank, cache=MoMReadState(torch.zeros(3, 32), 4))
+    with pytest.raises(TypeError, match="MoMReadCache"):
+        m(torch.randn(2, 1, 32), bank, cache=(torch.zeros(2, 32), 4))

@@ -144,7 +144,8 @@ def test_module_decode_with_triton_matches_full_forward():
                                                                             0, 1), m.alpha_ma, keep)
         cache = m.allocate_cache(B, 20)
         P = 5
-        outs = [m(x[:, :P], q[:, :P], k[:, :P], v[:, :P], attention_mask=keep[:, :P], cache=cache)[0]]
+        out, cache = m(x[:, :P], q[:, :P], k[:, :P], v[:, :P], attention_mask=keep[:, :P], cache=cache)
+        outs = [out]
         for t in range(P, T):
             step, cache = m(x[:, t:t + 1], q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
                             attention_mask=keep[:, t:t + 1], cache=cache)

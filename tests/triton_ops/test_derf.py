@@ -81,10 +81,15 @@ def _resolvable_rows(inp) -> torch.Tensor:
 
 
 def _through_rows(fn, rows):
-    """fn's output, with gradients flowing back only through the given rows."""
+    """fn's output, with the gradients of q, k, α, b, γ flowing back only through the
+    given rows. dV flows through every row: it is O(1) and well resolved even where a
+    row's other gradients are not (a row with one visible key gives its key's value
+    the whole upstream gradient), so discarding those rows would hide a dV bug."""
     def wrapped(**inputs):
         out = fn(**inputs)
-        return torch.where(rows[..., None], out, out.detach())
+        v_only = fn(**{k: (t.detach() if k != "v" and isinstance(t, torch.Tensor) else t)
+                       for k, t in inputs.items()})
+        return torch.where(rows[..., None], out, v_only)
     return wrapped
 
 

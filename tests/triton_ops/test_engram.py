@@ -115,6 +115,34 @@ def test_fusion_gate_matches_reference_fp32(rows, fusion_dim, scale, seed):
     assert_parity(engram_fusion_gate, engram_fusion_gate_reference, inp, list(inp))
 
 
+def test_fusion_gate_below_the_clamp_floor():
+    """|a| < 1e-6 takes the clamp branch of the signed square root, whose gradient is
+    0: key rows are made orthogonal (under the norm weights) to their hidden rows, so
+    a is rounding-sized there; other rows stay ordinary. A backward that forgets the
+    clamp gives d(hidden_low) of order 1/√|a| on those rows."""
+    gen = torch.Generator().manual_seed(3)
+    rows, f = 6, 24
+    hidden = torch.randn(rows, f, generator=gen)
+    w_h, w_k = 1 + 0.3 * torch.randn(f, generator=gen), 1 + 0.3 * torch.randn(f, generator=gen)
+    key = torch.randn(rows, f, generator=gen)
+    c = hidden * w_h * w_k
+    orthogonal = key - (key * c).sum(-1, keepdim=True) / (c * c).sum(-1, keepdim=True) * c
+    # rows 0-3: |a| = 4e-7, below the floor, but far above rounding so sign(a) is
+    # the same in every implementation (sign(a) at a ≈ 1e-9 would be rounding noise)
+    rms = lambda t, w: (t.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()  # noqa: E731
+    target = 4e-7 * torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]
+    shift = target * rms(hidden[:4], w_h) * rms(orthogonal[:4], w_k) * f ** 0.5
+    key[:4] = orthogonal[:4] + shift * c[:4] / (c[:4] * c[:4]).sum(-1, keepdim=True)
+    inp = {"hidden_low": hidden.to(DEVICE), "key_low": key.to(DEVICE),
+           "value": torch.randn(rows, f, generator=gen).to(DEVICE),
+           "hidden_norm_weight": w_h.to(DEVICE), "ngram_norm_weight": w_k.to(DEVICE)}
+    h = torch.nn.functional.rms_norm(hidden, (f,), w_h, 1e-6)
+    k = torch.nn.functional.rms_norm(key, (f,), w_k, 1e-6)
+    a = (h * k).sum(-1) / f ** 0.5
+    assert (a[:4].abs() < 1e-6).all() and (a[:4].abs() > 1e-7).all() and (a[4:].abs() > 1e-3).all()
+    assert_parity(engram_fusion_gate, engram_fusion_gate_reference, inp, list(inp))
+
+
 def test_fusion_gate_wide_rows_and_leading_dims():
     gen = torch.Generator().manual_seed(1)
     f = 300
@@ -151,7 +179,7 @@ def test_modules_backends_agree_and_decode_equals_forward():
     results = []
     for backend in ("reference", "triton"):
         engram.lookup.backend = fusion.backend = backend
-        res = engram.forward_with_state(x)
+        res = engram(x)
         y = fusion(x, res.retrieved)
         loss = (res.output * upstream).sum() + (y * y).sum()
         params = [t.weight for t in engram.lookup.tables] + list(fusion.parameters())
@@ -162,13 +190,13 @@ def test_modules_backends_agree_and_decode_equals_forward():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     # prefill 4 tokens, then one token at a time (n-grams straddle every boundary)
     engram.lookup.backend = "triton"
-    full = engram.forward_with_state(x).retrieved
-    res = engram.forward_with_state(x[:, :4])
-    reads, state = [res.retrieved], res.state
+    full = engram(x).retrieved
+    res = engram(x[:, :4])
+    reads, state = [res.retrieved], res.cache
     for t in range(4, 9):
-        res = engram.forward_with_state(x[:, t:t + 1], state)
+        res = engram(x[:, t:t + 1], state)
         reads.append(res.retrieved)
-        state = res.state
+        state = res.cache
     assert torch.equal(torch.cat(reads, 1), full)
 
 
@@ -243,7 +271,7 @@ def test_compile_fullgraph_smoke():
 
     def step(x):
         read = engram.retrieve(x)
-        return fusion(x, read) + engram(x, retrieved=read)
+        return fusion(x, read) + engram(x, retrieved=read).output
 
     y = torch.compile(step, fullgraph=True)(x)
     y.sum().backward()

@@ -1,0 +1,90 @@
+"""The decoding blocks, built small, behind one calling shape for the protocol tests:
+``run(block, x, mask, cache) -> (out, cache)`` where ``x`` is a ``[B, T, HIDDEN]``
+activation from which each block takes the inputs it needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttention, EngramModule, LucidAttention,
+                                MemoryCacheBranch, MoMRead)
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 2, 1, 8
+
+
+def _qkv(x: torch.Tensor):
+    """Fixed slices of x as q [B, T, H, D], k and v [B, T, Hkv, D] (no parameters needed)."""
+    B, T, _ = x.shape
+    q = x.flip(-1).reshape(B, T, HEADS, HEAD_DIM)
+    return q, x[..., :HEAD_DIM].reshape(B, T, KV_HEADS, HEAD_DIM), x[..., HEAD_DIM:].reshape(B, T, KV_HEADS, HEAD_DIM)
+
+
+@dataclass
+class Block:
+    name: str
+    build: Callable[[str], torch.nn.Module]
+    run: Callable  # (module, x, mask, cache) -> (out, cache)
+    masked: bool = True   # takes an attention_mask
+
+
+def _attention_run(module, x, mask, cache):
+    q, k, v = _qkv(x)
+    return module(q, k, v, mask, cache=cache)
+
+
+def _affine_run(module, x, mask, cache):
+    q, k, v = _qkv(x)
+    return module(x, q, k, v, mask, cache=cache)
+
+
+BANK = MoMRead.init_bank(4, 2, HIDDEN, generator=torch.Generator().manual_seed(0))
+
+
+def _mom_run(module, x, mask, cache):
+    out, cache = module(x, BANK.to(x.dtype), mask, cache=cache)
+    return out, cache
+
+
+def _engram_run(module, x, mask, cache):
+    res = module(x, cache=cache)
+    return res.output, res.cache
+
+
+def _mc_run(module, x, mask, cache):
+    return module(x, mask, cache=cache)
+
+
+def _scaled(module):
+    # non-trivial parameters, so every term of the mechanism is exercised
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return module.eval()
+
+
+BLOCKS = [
+    Block("derf", lambda be: _scaled(DERFAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_run),
+    Block("affine_scaled_attention",
+          lambda be: _scaled(AffineScaledAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, alpha_ma_init=0.4,
+                                                   initializer_range=0.3, backend=be)), _affine_run),
+    Block("elo_attention", lambda be: _scaled(EloAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_run),
+    Block("lucid_attention", lambda be: LucidAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be), _attention_run),
+    Block("memory_caching", lambda be: MemoryCacheBranch(HIDDEN, 2, 4, segment_len=3, gate_dim=4, backend=be).eval(),
+          _mc_run),
+    Block("mom_read", lambda be: _mom(be), _mom_run),
+    Block("engram", lambda be: EngramModule(HIDDEN, 8, num_heads=2, table_size=31, gate_init_bias=0.5,
+                                            backend=be).eval(), _engram_run, masked=False),
+]
+BY_NAME = {b.name: b for b in BLOCKS}
+
+
+def _mom(backend):
+    m = MoMRead(HIDDEN, 2, mem_size=8, block_size=2, top_blocks=2, router_rank=4, initializer_range=0.3,
+                backend=backend).eval()
+    with torch.no_grad():
+        m.mom_scale.fill_(1.0)
+    return m

@@ -1,0 +1,238 @@
+"""One protocol for every block (docs/protocol.md): caches, masks, backend switching,
+autocast, named errors, exports. Each test guards a silent wrong result or a
+convention a new user relies on; shapes are tiny, reference backend unless the
+kernel path is the point."""
+import importlib
+import math
+
+import pytest
+import torch
+
+from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigError, DERFAttention, DTypeError,
+                                EngramModule, ExclusiveSelfAttention, LAuReL, MoMRead, set_backend, use_backend)
+from laminae.primitives.laurel import laurel_reference
+
+from ._blocks import BLOCKS, BY_NAME, HIDDEN
+
+MASKED = [b for b in BLOCKS if b.masked]
+
+
+def _x(B=2, T=7, seed=0):
+    return torch.randn(B, T, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------
+# Caches: branching, never mutated, O(1) appends
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
+def test_two_next_steps_from_one_cache_are_both_right(block):
+    """Beam search: continue one prefix cache with two different tokens, then each
+    branch further, interleaved; every output equals the full forward of its own
+    sequence (DERF was 0.77 off when caches were updated in place)."""
+    m = block.build("reference")
+    x = _x(T=9)
+    a = x.clone()
+    b = x.clone()
+    b[:, 5:] = _x(T=4, seed=1)                       # branch b differs from token 5 on
+    with torch.no_grad():
+        full_a, _ = block.run(m, a, None, None)
+        full_b, _ = block.run(m, b, None, None)
+        _, prefix = block.run(m, a[:, :4], None, None)
+        _, prefix = block.run(m, a[:, 4:5], None, prefix)   # the prefix's storage now has spare room,
+        length = prefix.length                              # so both branches could write into it
+        outs = {"a": [], "b": []}
+        caches = {"a": prefix, "b": prefix}
+        for t in range(5, 9):
+            for name, seq in (("a", a), ("b", b)):       # interleaved: a steps, then b from its own cache
+                out, caches[name] = block.run(m, seq[:, t:t + 1], None, caches[name])
+                outs[name].append(out)
+        assert prefix.length == length == 5                  # the prefix cache was never changed
+        out_a2, _ = block.run(m, a[:, 5:6], None, prefix)    # and still continues correctly
+    torch.testing.assert_close(torch.cat(outs["a"], 1), full_a[:, 5:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(outs["b"], 1), full_b[:, 5:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out_a2, full_a[:, 5:6], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
+def test_cache_reset_starts_a_new_sequence(block):
+    m = block.build("reference")
+    x = _x(T=4)
+    with torch.no_grad():
+        full, _ = block.run(m, x, None, None)
+        _, cache = block.run(m, _x(T=6, seed=3), None, None)
+        cache.reset()
+        assert cache.length == 0
+        out, cache = block.run(m, x, None, cache)
+    torch.testing.assert_close(out, full, atol=2e-5, rtol=1e-4)
+    assert cache.length == 4
+
+
+def test_linear_appends_reuse_storage_and_double_capacity():
+    buf = AppendBuffer()
+    reallocations = 0
+    for t in range(200):
+        previous = buf._storage
+        buf = buf.append(key=torch.full((1, 1, 2), float(t)))
+        reallocations += buf._storage is not previous
+    # capacity doubling: 16, 32, ..., 256 — a handful of reallocations, never one per token
+    assert reallocations == math.ceil(math.log2(200 / 16)) + 1 and buf.capacity == 256
+    assert buf.get("key")[0, :, 0].tolist() == [float(t) for t in range(200)]
+    branch = AppendBuffer(buf._storage, 100).append(key=torch.full((1, 1, 2), -1.0))   # copy-on-branch
+    assert branch.get("key")[0, 100, 0] == -1 and buf.get("key")[0, 100, 0] == 100
+
+
+def test_cache_of_another_configuration_is_refused():
+    q, k, v = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)
+    _, cache = DERFAttention(2, 1, 8, backend="reference")(q, k, v)
+    with pytest.raises(ConfigError, match="num_kv_heads"):
+        DERFAttention(2, 2, 8, backend="reference")(q, torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8),
+                                                     cache=cache)
+    with pytest.raises(TypeError, match="DERFCache"):
+        BY_NAME["elo_attention"].run(BY_NAME["elo_attention"].build("reference"), _x(T=3), None, cache)
+    with pytest.raises(DTypeError, match="cache"):
+        DERFAttention(2, 1, 8, backend="reference")(q.double(), k.double(), v.double(), cache=cache)
+
+
+# ----------------------------------------------------------------------------
+# Masks and padding
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", MASKED, ids=lambda b: b.name)
+def test_additive_mask_is_refused(block):
+    """A Hugging Face additive mask (0 keep, -inf drop) read as a keep mask would be
+    inverted; Elo used to do exactly that with ``.bool()``."""
+    additive = torch.zeros(2, 5)
+    additive[0, :2] = float("-inf")
+    with pytest.raises(ValueError, match="additive"):
+        block.run(block.build("reference"), _x(T=5), additive, None)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("block", MASKED, ids=lambda b: b.name)
+def test_nan_in_padding_never_reaches_kept_tokens(block, backend):
+    """LUCID and Memory Caching multiplied padded contents by 0 (0·NaN = NaN)."""
+    m = block.build(backend)
+    x = _x(T=6)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, :2] = False      # left padding
+    mask[1, 3] = False       # a hole
+    poisoned = torch.where(mask[..., None], x, torch.full_like(x, float("nan")))
+    with torch.no_grad():
+        clean, _ = block.run(m, torch.where(mask[..., None], x, torch.zeros_like(x)), mask, None)
+        out, _ = block.run(m, poisoned, mask, None)
+    assert torch.isfinite(out[mask]).all()
+    torch.testing.assert_close(out[mask], clean[mask], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Backend switching, autocast, named errors
+# ----------------------------------------------------------------------------
+
+
+def test_set_backend_reaches_every_block_and_use_backend_restores():
+    model = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), BY_NAME["engram"].build("auto"),
+                                torch.nn.ModuleList([LAuReL(HIDDEN, backend="reference")]))
+    engram = model[1]
+    with use_backend(model, "triton"):
+        assert {engram.lookup.backend, engram.gate.backend, model[2][0].backend, engram.backend} == {"triton"}
+    assert (engram.backend, engram.lookup.backend, model[2][0].backend) == ("auto", "auto", "reference")
+    set_backend(model, "reference")
+    assert engram.lookup.backend == engram.gate.backend == "reference"
+    engram.backend = "triton"                       # a parent's setting reaches its children
+    assert engram.lookup.backend == engram.gate.backend == "triton"
+    with pytest.raises(ConfigError):
+        set_backend(model, "cuda")
+
+
+def test_float64_laurel_reference_computes_in_float64():
+    g = torch.Generator().manual_seed(0)
+    f, x = torch.randn(3, 4, dtype=torch.float64, generator=g), torch.randn(3, 4, dtype=torch.float64, generator=g)
+    a, b = torch.tensor(0.3, dtype=torch.float64), torch.tensor(-1.1, dtype=torch.float64)
+    w = torch.softmax(torch.stack([a, b]), 0)
+    assert (laurel_reference(f, x, a, b) - (w[0] * f + w[1] * x)).abs().max() < 1e-15
+
+
+def test_dtype_mismatch_with_module_parameters_is_a_named_error():
+    x = torch.randn(1, 3, HIDDEN, dtype=torch.bfloat16)
+    with pytest.raises(DTypeError, match="parameters"):
+        MoMRead(HIDDEN, 2, 8, 2, 2, 4)(x, MoMRead.init_bank(4, 2, HIDDEN))
+    with pytest.raises(DTypeError, match="parameters"):
+        EngramModule(HIDDEN, 8, num_heads=2, table_size=31)(x)
+
+
+def test_triton_backend_errors_say_what_to_do(monkeypatch):
+    xsa = ExclusiveSelfAttention(2, 1, 4, backend="triton")
+    y, v = torch.randn(1, 2, 2, 4, device="meta"), torch.randn(1, 2, 1, 4, device="meta")
+    with pytest.raises(BackendUnavailableError, match="meta tensors"):
+        xsa(y, v)
+    common = importlib.import_module("laminae.triton_ops._common")
+    monkeypatch.setattr(common, "INTERPRET_AT_IMPORT", False)
+    with pytest.raises(BackendUnavailableError, match="before the first import"):
+        xsa(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4))
+
+
+def test_triton_backend_under_torch_compile_on_cpu_is_refused():
+    xsa = ExclusiveSelfAttention(2, 1, 4, backend="triton")
+    compiled = torch.compile(xsa, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="torch.compile needs CUDA"):
+        compiled(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4))
+
+
+# ----------------------------------------------------------------------------
+# Exports
+# ----------------------------------------------------------------------------
+
+
+def test_triton_ops_exports_are_the_functions_even_after_the_files_are_imported():
+    ops = importlib.import_module("laminae.triton_ops")
+    for name, stem in ops._EXPORTS.items():
+        importlib.import_module(f"laminae.triton_ops.{stem}")       # the file binds its name first
+        fn = getattr(ops, name)
+        assert callable(fn) and not isinstance(fn, type(ops)), name
+        exec(f"from laminae.triton_ops import {name} as imported", scope := {})
+        assert scope["imported"] is fn
+
+
+def test_package_metadata():
+    import laminae
+    from importlib.metadata import requires, version
+
+    assert laminae.__version__ == version("laminae")
+    pins = " ".join(requires("laminae"))
+    assert "numpy<2.4" in pins.replace(" ", "")
+
+
+def test_tour_takes_device_and_dtype(capsys):
+    from laminae.triton_ops import tour
+
+    with pytest.raises(SystemExit):
+        tour.main(["xsa", "--dtype", "bfloat16", "--device", "cpu"])
+    assert "needs --device cuda" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            tour.main(["xsa", "--device", "cuda"])
+    assert tour.main(["xsa", "--reps", "1", "--device", "cpu", "--dtype", "float32"]) == 0
+
+
+def test_mom_router_mean_ignores_left_padding_and_decodes():
+    """The router's causal mean runs over kept tokens: a left-padded row gives the
+    outputs of the same tokens without padding, in a full forward and when decoding."""
+    block = BY_NAME["mom_read"]
+    m = block.build("reference")
+    x = _x(B=1, T=6)
+    padded = torch.cat([_x(B=1, T=2, seed=5), x], 1)
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    mask[:, :2] = False
+    with torch.no_grad():
+        plain, _ = block.run(m, x, None, None)
+        out, _ = block.run(m, padded, mask, None)
+        _, cache = block.run(m, padded[:, :5], mask[:, :5], None)
+        steps = []
+        for t in range(5, 8):
+            step, cache = block.run(m, padded[:, t:t + 1], None, cache)
+            steps.append(step)
+    torch.testing.assert_close(out[:, 2:], plain, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(steps, 1), plain[:, 3:], atol=1e-6, rtol=1e-5)
