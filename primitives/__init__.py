@@ -25,7 +25,7 @@ from .xsa import ExclusiveSelfAttention, xsa_reference
 
 from .decoder import (BRANCH_CALLS, BlockContext, Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
                       layer_plan)
-from .gqa import AttentionOutput, GroupedQueryAttention, KVCache, sdpa_core
+from .gqa import AttentionOutput, GroupedQueryAttention, sdpa_core
 from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
 from .losses import abstention_loss, cross_entropy, shift_labels, z_loss
 from .moe import GroupedSwiGLU, SparseMoE
@@ -55,7 +55,7 @@ __all__ = [
     "stack_step_reference",
     "ExclusiveSelfAttention", "xsa_reference",
     "BRANCH_CALLS", "BlockContext", "Branch", "CausalLM", "DecoderCache", "DecoderModel", "ResidualBlock", "layer_plan",
-    "AttentionOutput", "GroupedQueryAttention", "KVCache", "sdpa_core",
+    "AttentionOutput", "GroupedQueryAttention", "sdpa_core",
     "HCOutputMix", "HyperConnection", "expand_streams",
     "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
     "GroupedSwiGLU", "SparseMoE", "MTPHead", "mtp_loss", "RMSNorm", "rms_norm",

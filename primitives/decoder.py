@@ -33,7 +33,6 @@ next steps from one cache are both right.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -43,7 +42,7 @@ from torch import nn
 
 from ._errors import ConfigError, ShapeError
 from ._validation import check_keep_mask, check_same_device, check_tensor
-from .gqa import GroupedQueryAttention, KVCache
+from .gqa import GroupedQueryAttention
 from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
 
 __all__ = ["BlockContext", "Branch", "BRANCH_CALLS", "ResidualBlock", "layer_plan", "DecoderCache",
@@ -69,11 +68,10 @@ BranchCall = Callable[[nn.Module, torch.Tensor, BlockContext, Any], tuple[torch.
 
 
 def _call_attention(module, h, ctx, state):
-    cache = (state or KVCache()) if ctx.decoding else None
-    out, cache, entry = module(h, ctx.positions, ctx.attention_mask, cache=cache, depth_sources=ctx.depth_sources)
+    out, cache, entry = module(h, ctx.positions, ctx.attention_mask, cache=state, depth_sources=ctx.depth_sources)
     if entry is not None:
         ctx.depth_sources.append(entry)
-    return out, cache
+    return out, (cache if ctx.decoding else None)
 
 
 def _call_moe(module, h, ctx, state):
@@ -84,20 +82,13 @@ def _call_moe(module, h, ctx, state):
 
 
 def _call_mom(module, h, ctx, state):
-    from .mom_read import MoMReadState
-
-    out, state = module(h, ctx.shared["M_blocks"], state=(state or MoMReadState()) if ctx.decoding else None)
-    return out, state
+    out, cache = module(h, ctx.shared["M_blocks"], ctx.attention_mask, cache=state)
+    return out, (cache if ctx.decoding else None)
 
 
 def _call_memory_cache(module, h, ctx, state):
-    from .memory_caching import MemoryCacheState
-
-    if not ctx.decoding:
-        return module(h, ctx.attention_mask)[0], None
-    # copy the entry: the branch advances it in place, the caller's cache must not move
-    entries = {} if state is None else {k: dataclasses.replace(v) for k, v in state.entries.items()}
-    return module(h, ctx.attention_mask, state=MemoryCacheState(entries))
+    out, cache = module(h, ctx.attention_mask, cache=state)
+    return out, (cache if ctx.decoding else None)
 
 
 def _call_engram_fusion(module, x, ctx, state):
@@ -339,8 +330,7 @@ class DecoderModel(nn.Module):
         input_state = None
         if self.input_stage is not None:
             stage = getattr(self, self.input_stage)
-            out, ctx.shared["ngram"], input_state = stage.forward_with_state(
-                x, cache.input_state if cache is not None else None)
+            out, input_state, ctx.shared["ngram"] = stage(x, cache=cache.input_state if cache is not None else None)
             x = x + out
         if self.hc_mult > 1:
             x = expand_streams(x, self.hc_mult)

@@ -13,20 +13,21 @@ Cores: ``"sdpa"`` (``F.scaled_dot_product_attention``) or a module from this pac
 :class:`~laminae.primitives.derf.DERFAttention`,
 :class:`~laminae.primitives.elo_attention.EloAttention`,
 :class:`~laminae.primitives.affine_scaled_attention.AffineScaledAttention`,
-:class:`~laminae.primitives.lucid_attention.LucidAttention`. The block owns the KV
-cache for SDPA, DERF, Elo and affine-scaled attention; LUCID keeps its own
-(immutable) cache object inside :class:`KVCache.core_state`.
+:class:`~laminae.primitives.lucid_attention.LucidAttention`. The decoding cache is
+the library's one implementation (:mod:`laminae.primitives._cache`): a plain
+:class:`~laminae.primitives._cache.KVCache` for SDPA, the core's own cache (a
+``KVCache`` subclass, or LUCID's ``LucidCache``) otherwise.
 
 Depth attention (Nanbeige): a layer mixes its fresh values with the (k, v) of earlier
 layers by a softmax over depth of q·k, gated by ``tanh(depth_gate)`` (zero-init). The
 mixed values are what the cache stores. Sources are passed in and the layer's own
 entry is returned (:class:`AttentionOutput`), so nothing is stashed on the module.
 
-Decoding: ``forward(..., cache=KVCache)`` appends this call's keys/values and returns
-a *new* cache; the one passed in still describes the old prefix, so two different
-continuations of one cache (beam search) are both right. Buffers are preallocated and
-grow by doubling; a continuation that does not extend the longest branch of a buffer
-copies it first.
+Decoding: ``forward(..., cache=None) -> (out, cache, depth_entry)`` returns a *new*
+cache holding this call's keys/values too; the one passed in still describes the old
+prefix, so two different continuations of one cache (beam search) are both right.
+Buffers grow by doubling; a continuation that does not extend the longest branch of a
+buffer copies it first (``AppendBuffer``).
 """
 from __future__ import annotations
 
@@ -41,79 +42,13 @@ from torch import nn
 
 from ._attention import visible_keys
 from ._backend import Backend, check_backend
+from ._cache import AppendBuffer, DecodingCache, KVCache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ._validation import FLOAT_DTYPES, check_keep_mask, check_positive_int, check_tensor
 from .norms import RMSNorm
 from .rotary import RotaryEmbedding
 
 __all__ = ["KVCache", "AttentionOutput", "GroupedQueryAttention", "sdpa_core", "depth_mix_values"]
-
-
-# ----------------------------------------------------------------------------
-# KV cache
-# ----------------------------------------------------------------------------
-
-
-class _Buffer:
-    """Storage shared by the caches of one decoding tree; ``frontier`` = the longest
-    prefix any cache has written, so an append at a shorter length knows to copy."""
-
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor) -> None:
-        self.key, self.value, self.keep = key, value, keep
-        self.frontier = 0
-
-
-@dataclass(eq=False)
-class KVCache:
-    """Keys/values ``[B, length, H_kv, D]`` and their keep mask ``[B, length]`` seen so
-    far by one attention call site, plus the core's own state (Elo ratings, …).
-
-    Start with ``KVCache()`` (empty) and pass back what ``forward`` returns.
-    ``signature`` ties it to the block that filled it (checked on use)."""
-
-    length: int = 0
-    signature: tuple | None = None
-    core_state: Any = None
-    _buf: _Buffer | None = field(default=None, repr=False)
-
-    @property
-    def key(self) -> torch.Tensor | None:
-        return None if self._buf is None else self._buf.key[:, :self.length]
-
-    @property
-    def value(self) -> torch.Tensor | None:
-        return None if self._buf is None else self._buf.value[:, :self.length]
-
-    @property
-    def keep(self) -> torch.Tensor | None:
-        return None if self._buf is None else self._buf.keep[:, :self.length]
-
-    def reset(self) -> None:
-        self.length, self.core_state, self._buf, self.signature = 0, None, None, None
-
-    def appended(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor, signature: tuple) -> "KVCache":
-        """A new cache with ``k``/``v`` ``[B, S, H_kv, D]`` and ``keep`` ``[B, S]`` after
-        this one's positions (amortised O(S): doubling capacity, copy only on a fork)."""
-        B, S = k.shape[:2]
-        end = self.length + S
-        buf = self._buf
-        if buf is not None and (buf.key.shape[0] != B or buf.key.dtype != k.dtype):
-            raise ShapeError(f"`cache` holds batch {buf.key.shape[0]} ({buf.key.dtype}), "
-                             f"got keys of batch {B} ({k.dtype}); reset it between generations")
-        if buf is None or buf.frontier != self.length or end > buf.key.shape[1]:
-            cap = max(end, 2 * (buf.key.shape[1] if buf is not None else 0), 16)
-            new = _Buffer(k.new_zeros(B, cap, *k.shape[2:]), v.new_zeros(B, cap, *v.shape[2:]),
-                          torch.ones(B, cap, dtype=torch.bool, device=k.device))
-            if self.length:
-                new.key[:, :self.length] = buf.key[:, :self.length]
-                new.value[:, :self.length] = buf.value[:, :self.length]
-                new.keep[:, :self.length] = buf.keep[:, :self.length]
-            buf = new
-        buf.key[:, self.length:end] = k.detach()
-        buf.value[:, self.length:end] = v.detach()
-        buf.keep[:, self.length:end] = keep
-        buf.frontier = end
-        return KVCache(end, signature, self.core_state, buf)
 
 
 # ----------------------------------------------------------------------------
@@ -173,7 +108,7 @@ def depth_mix_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 class AttentionOutput(NamedTuple):
     output: torch.Tensor                                     # [B, S, hidden]
-    cache: KVCache | None                                    # advanced cache (None without one)
+    cache: DecodingCache                                     # holds this call's tokens too
     depth_entry: tuple[torch.Tensor, torch.Tensor] | None    # this layer's (k, v) for later layers
 
 
@@ -210,7 +145,7 @@ class GroupedQueryAttention(nn.Module):
 
         attn = GroupedQueryAttention(512, 8, 2, 64, rope=RotaryEmbedding(64))
         out, _, _ = attn(x, positions)                                  # training
-        out, cache, _ = attn(x_prompt, pos, cache=KVCache())           # prefill
+        out, cache, _ = attn(x_prompt, pos)                             # prefill
         out, cache, _ = attn(x_next, pos_next, cache=cache)            # one token
     """
 
@@ -267,8 +202,9 @@ class GroupedQueryAttention(nn.Module):
                     nn.init.normal_(lin.weight, std=initializer_range)
 
     @property
-    def signature(self) -> tuple:
-        return ("gqa", self.num_kv_heads, self.head_dim, self.core_kind)
+    def cache_config(self) -> dict:
+        """What a plain-SDPA cache records of this block (a core checks its own cache)."""
+        return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim, "core": self.core_kind}
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
@@ -301,15 +237,16 @@ class GroupedQueryAttention(nn.Module):
             raise DeviceError(f"`x` is on {x.device} but the parameters are on {weight.device}")
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
             raise DTypeError(f"`x` dtype ({x.dtype}) must match the parameters ({weight.dtype}) outside autocast")
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"`cache` must be a KVCache or None, got {type(cache).__name__}")
-            if cache.signature is not None and cache.signature != self.signature:
-                raise ConfigError(f"`cache` was filled by an attention block {cache.signature}, "
-                                  f"this block is {self.signature}")
+        if cache is not None and self.core_kind == "sdpa":
+            if type(cache) is not KVCache:
+                raise TypeError(f"`cache` must be a KVCache (from an SDPA attention block) or None, "
+                                f"got {type(cache).__name__}")
+            cache.check("GroupedQueryAttention", self.cache_config,
+                        torch.empty(B, 0, self.num_kv_heads, self.head_dim, dtype=cache.dtype or x.dtype,
+                                    device=x.device))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: KVCache | None = None,
+                cache: DecodingCache | None = None,
                 depth_sources: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> AttentionOutput:
         self._check(x, positions, attention_mask, cache)
         B, S, _ = x.shape
@@ -331,39 +268,21 @@ class GroupedQueryAttention(nn.Module):
 
     def _attend(self, x, q, k, v, keep, cache):
         kind = self.core_kind
-        if kind == "lucid":
-            # LUCID's state is its preconditioned values, not plain keys: it keeps its own
-            # (immutable) LucidCache, carried in core_state
-            state = None if cache is None else cache.core_state
-            y, state = self.core(q, k, v, attention_mask=keep, cache=state)
-            return y, (None if cache is None else KVCache(cache.length + q.shape[1], self.signature, state))
-        keys, values, key_mask, prior = k, v, keep, None
-        new_cache = None
-        if cache is not None:
-            past_len = cache.length
+        if kind == "derf" or kind == "elo" or kind == "lucid":
+            return self.core(q, k, v, attention_mask=keep, cache=cache)
+        if kind == "affine":
+            return self.core(x, q, k, v, attention_mask=keep, cache=cache)
+        keys, values, key_mask = k, v, keep
+        if cache is None:
             fresh_keep = keep if keep is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
-            new_cache = cache.appended(k, v, fresh_keep, self.signature)
-            prior = cache.core_state
-            if past_len:
+            new_cache = KVCache(AppendBuffer.wrap(key=k, value=v, keep=fresh_keep), keep is not None,
+                                self.cache_config)
+        else:
+            new_cache = cache.append(k, v, keep)
+            if cache.length:
+                # with gradients on, the fresh keys keep their graph; the cache holds detached copies
                 keys = torch.cat([cache.key, k], dim=1) if torch.is_grad_enabled() else new_cache.key
                 values = torch.cat([cache.value, v], dim=1) if torch.is_grad_enabled() else new_cache.value
                 key_mask = new_cache.keep
-        drop = self.dropout if self.training else 0.0
-        if kind == "sdpa":
-            y = sdpa_core(q, keys, values, key_mask, drop)
-        elif kind == "derf":
-            y, _ = self.core(q, keys, values, attention_mask=key_mask)
-        elif kind == "affine":
-            y, _ = self.core(x, q, keys, values, attention_mask=key_mask)
-        else:  # elo: the ratings of earlier keys are the core's state
-            from .elo_attention import EloAttentionCache
-
-            S = q.shape[1]
-            past = None
-            if prior is not None:
-                past = EloAttentionCache(keys[:, :-S], values[:, :-S],
-                                         None if key_mask is None else key_mask[:, :-S], prior)
-            y, elo_cache = self.core(q, k, v, attention_mask=keep, cache=past)
-            if new_cache is not None:
-                new_cache.core_state = elo_cache.rating
+        y = sdpa_core(q, keys, values, key_mask, self.dropout if self.training else 0.0)
         return y, new_cache

@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 
 from laminae.primitives import (AffineScaledAttention, ConfigError, DERFAttention, DTypeError, EloAttention,
                                 LucidAttention, ShapeError)
-from laminae.primitives.gqa import GroupedQueryAttention, KVCache, depth_mix_values, sdpa_core
+from laminae.primitives.gqa import GroupedQueryAttention, depth_mix_values, sdpa_core
 from laminae.primitives.rotary import RotaryEmbedding
 
 
@@ -52,7 +52,7 @@ def test_prefill_then_steps_equals_full_forward(core, options):
     pos = torch.arange(9)[None]
     with torch.no_grad():
         full = attn(x, pos).output
-        out, cache, _ = attn(x[:, :4], pos[:, :4], cache=KVCache())
+        out, cache, _ = attn(x[:, :4], pos[:, :4], cache=None)
         outs = [out]
         for t in range(4, 9):
             out, cache, _ = attn(x[:, t:t + 1], pos[:, t:t + 1], cache=cache)
@@ -65,7 +65,7 @@ def test_cache_is_not_mutated_and_forks_are_independent():
     x = torch.randn(1, 6, 16)
     pos = torch.arange(6)[None]
     with torch.no_grad():
-        _, root, _ = attn(x[:, :4], pos[:, :4], cache=KVCache())
+        _, root, _ = attn(x[:, :4], pos[:, :4], cache=None)
         a, cache_a, _ = attn(x[:, 4:5], pos[:, 4:5], cache=root)
         b, cache_b, _ = attn(x[:, 5:6], pos[:, 4:5], cache=root)     # another token at the same position
         a2, _, _ = attn(x[:, 4:5], pos[:, 4:5], cache=root)
@@ -77,13 +77,13 @@ def test_cache_is_not_mutated_and_forks_are_independent():
 
 def test_appends_reuse_the_buffer_and_grow_by_doubling():
     attn = make()
-    cache, buffers = KVCache(), set()
+    cache, buffers = None, set()
     with torch.no_grad():
         for t in range(40):
             _, cache, _ = attn(torch.randn(1, 1, 16), torch.tensor([[t]]), cache=cache)
-            buffers.add(cache._buf.key.data_ptr())
-    assert cache.length == 40 and cache._buf.key.shape[1] == 64
-    assert len(buffers) == 3          # capacities 16, 32, 64
+            buffers.add(cache.key.data_ptr())
+    assert cache.length == 40 and cache.max_len == 64
+    assert len(buffers) == 4          # the first token's own tensor, then capacities 16, 32, 64
 
 
 def test_padding_contents_never_reach_kept_positions():
@@ -117,9 +117,12 @@ def test_named_errors():
         attn(torch.randn(1, 3, 15), pos)
     with pytest.raises(ConfigError, match="divide"):
         GroupedQueryAttention(16, 4, 3, 8)
-    _, cache, _ = make("derf")(x, pos, cache=KVCache())
-    with pytest.raises(ConfigError, match="filled by"):
+    _, cache, _ = make("derf")(x, pos, cache=None)
+    with pytest.raises(TypeError, match="KVCache"):
         attn(x, pos, cache=cache)
+    _, sdpa_cache, _ = attn(x, pos)
+    with pytest.raises(ConfigError, match="configuration"):
+        GroupedQueryAttention(16, 4, 4, 4)(x, pos, cache=sdpa_cache)
 
 
 def test_runs_under_autocast():
