@@ -35,6 +35,7 @@ from einops import rearrange
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ._validation import check_choice, check_keep_mask, check_positive_int, check_tensor
 
@@ -282,20 +283,24 @@ class StackMemoryState:
         return self.entropy_sum / self.entropy_count.clamp_min(1)
 
 
-@dataclass
-class StackMemoryCache:
+class StackMemoryCache(DecodingCache):
     """Temporal-mode decoding cache of one layer: the stack after the last token seen.
 
     ``stack`` ``[B, H, S, d]``, ``stack_mask`` ``[B, H, S]`` (fp32), ``length`` tokens
-    seen. The state has a fixed size, so a step costs O(1) whatever the length. A
-    forward never changes the cache it is given; it returns a new one, so two
-    continuations of one cache (beam search) are independent.
+    seen; ``config`` the building module's (mode, heads, slots, head_dim) as a dict
+    (checked by :func:`~laminae.primitives._cache.check_cache`). The state has a fixed
+    size, so a step costs O(1) whatever the length. A forward never changes the cache
+    it is given; it returns a new one, so two continuations of one cache (beam search)
+    are independent.
     """
 
-    config: tuple
-    stack: torch.Tensor
-    stack_mask: torch.Tensor
-    length: int = 0
+    def __init__(self, config, stack: torch.Tensor, stack_mask: torch.Tensor, length: int = 0) -> None:
+        self.config = dict(config)
+        self.stack, self.stack_mask, self._length = stack, stack_mask, length
+
+    @property
+    def length(self) -> int:
+        return self._length
 
     @property
     def batch(self) -> int:
@@ -305,7 +310,7 @@ class StackMemoryCache:
         """Back to the empty stack (new tensors: caches sharing the old ones keep them)."""
         self.stack = torch.zeros_like(self.stack)
         self.stack_mask = torch.zeros_like(self.stack_mask)
-        self.length = 0
+        self._length = 0
 
 
 class StackMemoryOutput(NamedTuple):
@@ -410,6 +415,10 @@ class StackMemory(nn.Module):
     def config(self) -> tuple:
         return (self.mode, self.num_mem_heads, self.stack_slots, self.head_dim)
 
+    @property
+    def cache_config(self) -> dict:
+        return dict(zip(("mode", "num_mem_heads", "stack_slots", "head_dim"), self.config))
+
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, stack_d_model={self.stack_d_model}, "
                 f"num_mem_heads={self.num_mem_heads}, stack_slots={self.stack_slots}, mode={self.mode!r}, "
@@ -428,7 +437,7 @@ class StackMemory(nn.Module):
         check_positive_int("batch", batch)
         device = self.gate.device if device is None else device
         H, S, d = self.num_mem_heads, self.stack_slots, self.head_dim
-        return StackMemoryCache(self.config, torch.zeros(batch, H, S, d, device=device),
+        return StackMemoryCache(self.cache_config, torch.zeros(batch, H, S, d, device=device),
                                 torch.zeros(batch, H, S, device=device))
 
     # -- validation -----------------------------------------------------------
@@ -480,15 +489,8 @@ class StackMemory(nn.Module):
     def _check_cache(self, cache, B, device) -> None:
         if self.mode != "temporal":
             raise ConfigError("`cache` is for mode='temporal'; depth mode keeps no cross-token state")
-        if not isinstance(cache, StackMemoryCache):
-            raise TypeError(f"`cache` must be a StackMemoryCache or None, got {type(cache).__name__}")
-        if cache.config != self.config:
-            raise ConfigError(f"`cache` comes from another StackMemory configuration: expected (mode, heads, "
-                              f"slots, head_dim) = {self.config}, got {cache.config}")
-        if cache.batch != B:
-            raise ShapeError(f"`cache` batch size must match x: expected {B}, got {cache.batch}")
-        if cache.stack.device != device:
-            raise DeviceError(f"`cache` is on {cache.stack.device} but `x` is on {device}")
+        check_cache(cache, StackMemoryCache, self.cache_config, batch=B, device=device,
+                    cache_device=cache.stack.device)
 
     # -- forward --------------------------------------------------------------
 
@@ -544,6 +546,8 @@ class StackMemory(nn.Module):
             new_mask if self.mode == "depth" else None,
             prev_sum + entropy.sum(), prev_count + count, (0 if state is None else state.num_layers) + 1)
         new_cache = None
-        if cache is not None:
-            new_cache = StackMemoryCache(self.config, new_stack, new_mask, cache.length + T)
+        if self.mode == "temporal":
+            # detached: decoding is inference (differentiate through state with the functional op)
+            new_cache = StackMemoryCache(self.cache_config, new_stack.detach(), new_mask.detach(),
+                                         (0 if cache is None else cache.length) + T)
         return StackMemoryOutput(out.to(out_dtype), new_state, new_cache)

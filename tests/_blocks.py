@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttention, EngramModule, LucidAttention,
-                                MemoryCacheBranch, MoMRead)
+                                MemoryCacheBranch, MoMRead, StackMemory)
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 2, 1, 8
 
@@ -56,6 +56,11 @@ def _mc_run(module, x, mask, cache):
     return module(x, mask, cache=cache)
 
 
+def _stack_run(module, x, mask, cache):
+    out, _, cache = module(x, attention_mask=mask, cache=cache)
+    return out, cache
+
+
 def _scaled(module):
     # non-trivial parameters, so every term of the mechanism is exercised
     torch.manual_seed(1)
@@ -78,6 +83,8 @@ BLOCKS = [
     Block("mom_read", lambda be: _mom(be), _mom_run),
     Block("engram", lambda be: EngramModule(HIDDEN, 8, num_heads=2, table_size=31, gate_init_bias=0.5,
                                             backend=be).eval(), _engram_run, masked=False),
+    Block("stack_memory", lambda be: _scaled(StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4,
+                                                         mode="temporal", backend=be)), _stack_run),
 ]
 BY_NAME = {b.name: b for b in BLOCKS}
 

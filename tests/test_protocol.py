@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigError, DERFAttention, DTypeError,
-                                EngramModule, ExclusiveSelfAttention, LAuReL, MoMRead, set_backend, use_backend)
+                                EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL, MoMRead, SharedMatrix,
+                                SpellingBeeEmbedding, StackMemory, set_backend, use_backend)
+from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.primitives.laurel import laurel_reference
 
 from ._blocks import BLOCKS, BY_NAME, HIDDEN
@@ -145,6 +147,46 @@ def test_set_backend_reaches_every_block_and_use_backend_restores():
     assert engram.lookup.backend == engram.gate.backend == "triton"
     with pytest.raises(ConfigError):
         set_backend(model, "cuda")
+
+
+def _newer_blocks(backend):
+    """One of each mechanism that joined after the protocol, small."""
+    bee = SpellingBeeEmbedding(8, HIDDEN, backend=backend)
+    bee.set_byte_table_from_strings(["a", "bc", "def", "", "gh", "i", "jkl", "m"])
+    return torch.nn.ModuleDict({
+        "shared_matrix": SharedMatrix(HIDDEN, HIDDEN, backend=backend),
+        "hrm_refinement": HRMRefinementBlock(HIDDEN, 8, 2, backend=backend),
+        "spelling_bee": bee,
+        "stack_memory": StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4, backend=backend),
+        "leviathan": LeviathanGenerator(vocab_size=8, hidden_size=HIDDEN, seed_dim=8, num_modes=2, num_knots=4,
+                                        rank=4, backend=backend),
+    })
+
+
+def test_set_backend_reaches_the_newer_mechanisms():
+    model = torch.nn.Sequential(_newer_blocks("auto"))
+    with use_backend(model, "triton"):
+        assert {m.backend for m in model[0].values()} == {"triton"}
+    assert {m.backend for m in model[0].values()} == {"auto"}
+    set_backend(model, "reference")
+    assert {m.backend for m in model[0].values()} == {"reference"}
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_newer_mechanisms_run_under_cpu_autocast(backend):
+    blocks = _newer_blocks(backend)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, HIDDEN)
+    ids = torch.randint(0, 8, (2, 3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.nn.functional.linear(x, torch.eye(HIDDEN))        # a bf16 activation, as autocast makes
+        outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h), blocks["spelling_bee"](ids, h),
+                blocks["stack_memory"](h)[0], blocks["leviathan"](ids)]
+    for out in outs:
+        assert torch.isfinite(out.float()).all()
+    sum(o.float().sum() for o in outs).backward()
+    grads = [p.grad for p in blocks.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
 
 
 def test_float64_laurel_reference_computes_in_float64():

@@ -378,10 +378,10 @@ def test_state_from_another_configuration_raises():
     m = _module()
     x = torch.randn(2, 5, 32)
     _, state, _ = _module(stack_slots=5)(x)
-    with pytest.raises(ConfigError, match="another StackMemory configuration"):
+    with pytest.raises(ConfigError, match="another configuration"):
         m(x, state)
     _, state, _ = _module(mode="temporal")(x)
-    with pytest.raises(ConfigError, match="another StackMemory configuration"):
+    with pytest.raises(ConfigError, match="another configuration"):
         m(x, state)
     _, state, _ = m(x)
     with pytest.raises(ShapeError, match="state.stack"):
@@ -397,7 +397,7 @@ def test_cache_misuse_raises():
     cache = m.allocate_cache(2)
     with pytest.raises(ShapeError, match="batch"):
         m(torch.randn(3, 1, 32), cache=cache)
-    with pytest.raises(ConfigError, match="another StackMemory configuration"):
+    with pytest.raises(ConfigError, match="another configuration"):
         m(torch.randn(2, 1, 32), cache=_module(mode="temporal", stack_slots=3).allocate_cache(2))
     with pytest.raises(TypeError, match="StackMemoryCache"):
         m(torch.randn(2, 1, 32), cache={"stack": None})
