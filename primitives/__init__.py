@@ -13,6 +13,8 @@ from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
+from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
+                     mosrah_reference)
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
 from .xsa import ExclusiveSelfAttention, xsa_reference
 
@@ -28,6 +30,7 @@ __all__ = [
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
     "MoMRead", "MoMReadState", "mom_read_reference",
+    "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
     "ExclusiveSelfAttention", "xsa_reference",
 ]
