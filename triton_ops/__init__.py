@@ -23,6 +23,8 @@ _EXPORTS = {
     "lucid_attention": "lucid_attention",
     "memory_caching": "memory_caching",
     "mom_read": "mom_read",
+    "mosrah": "mosrah",
+    "mosrah_attention": "mosrah",
     "siamese_boundary": "siamese_norm",
     "xsa": "xsa",
 }

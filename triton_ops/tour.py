@@ -32,6 +32,7 @@ MECHANISMS = [
     "engram",
     "memory_caching",
     "mom_read",
+    "mosrah",
 ]
 
 
