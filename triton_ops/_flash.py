@@ -33,6 +33,7 @@ and :func:`flash_attention_reference`, and :func:`static_cases`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterator
@@ -67,11 +68,12 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _visible(rows, cols, S, N, mask_ptr, b, HAS_MASK: tl.constexpr, WINDOW):
+def _visible(rows, cols, S, N, mask_ptr, b, HAS_MASK: tl.constexpr, WINDOW, HAS_WINDOW: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool: query row i sees key col j (causal, in range, kept,
-    within WINDOW positions when WINDOW > 0)."""
+    within WINDOW positions when HAS_WINDOW)."""
     vis = (cols[None, :] <= (N - S + rows)[:, None]) & (rows < S)[:, None] & (cols < N)[None, :]
-    vis = vis & ((WINDOW <= 0) | ((N - S + rows)[:, None] - cols[None, :] < WINDOW))
+    if HAS_WINDOW:
+        vis = vis & ((N - S + rows)[:, None] - cols[None, :] < WINDOW)
     if HAS_MASK:
         keep = tl.load(mask_ptr + b * N + cols, mask=cols < N, other=0)
         vis = vis & (keep != 0)[None, :]
@@ -80,15 +82,15 @@ def _visible(rows, cols, S, N, mask_ptr, b, HAS_MASK: tl.constexpr, WINDOW):
 
 @triton.jit
 def _window_first_key(first_query_pos, WINDOW, BLOCK_N: tl.constexpr):
-    """First key block any query at or after ``first_query_pos`` can see (0 without a window)."""
+    """First key block any query at or after ``first_query_pos`` can see in its window."""
     lo = tl.maximum(first_query_pos - WINDOW + 1, 0)
-    return tl.where(WINDOW > 0, (lo // BLOCK_N) * BLOCK_N, 0)
+    return (lo // BLOCK_N) * BLOCK_N
 
 
 @triton.jit
 def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
                       S, N, H, HKV, D, qk_scale, WINDOW,
-                      HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -110,13 +112,15 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     # keys past the last query of this block are never visible
     hi = tl.minimum(N, N - S + (pid_m + 1) * BLOCK_M)
-    lo = _window_first_key(N - S + pid_m * BLOCK_M, WINDOW, BLOCK_N)
+    lo = 0
+    if HAS_WINDOW:
+        lo = _window_first_key(N - S + pid_m * BLOCK_M, WINDOW, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols < N)[:, None] & d_ok[None, :]
         k = tl.load(k_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW), s, float("-inf"))
+        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW, HAS_WINDOW), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -140,7 +144,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
 @triton.jit
 def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                          S, N, H, HKV, D, qk_scale, sm_scale, WINDOW,
-                         HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -164,14 +168,16 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_p
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     hi = tl.minimum(N, N - S + (pid_m + 1) * BLOCK_M)
-    lo = _window_first_key(N - S + pid_m * BLOCK_M, WINDOW, BLOCK_N)
+    lo = 0
+    if HAS_WINDOW:
+        lo = _window_first_key(N - S + pid_m * BLOCK_M, WINDOW, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols < N)[:, None] & d_ok[None, :]
         k = tl.load(k_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW), s, float("-inf"))
+        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW, HAS_WINDOW), s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -182,7 +188,7 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_p
 @triton.jit
 def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                            S, N, H, HKV, D, qk_scale, sm_scale, WINDOW,
-                           HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_bkv = tl.program_id(1)
@@ -203,7 +209,9 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta
     lo = tl.maximum(pid_n * BLOCK_N - (N - S), 0)
     lo = (lo // BLOCK_M) * BLOCK_M
     # the last query that can see the last key of this block, with a window
-    hi = tl.where(WINDOW > 0, tl.minimum(S, (pid_n + 1) * BLOCK_N - 1 + WINDOW - (N - S)), S)
+    hi = S
+    if HAS_WINDOW:
+        hi = tl.minimum(S, (pid_n + 1) * BLOCK_N - 1 + WINDOW - (N - S))
     for g in range(0, group):
         h = kvh * group + g
         q_base = (b * S * H + h) * D
@@ -219,7 +227,7 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta
             delta = tl.load(delta_ptr + (b * H + h) * S + rows, mask=row_ok, other=0.0)
             # transposed scores sᵀ [BLOCK_N, BLOCK_M]: key rows, query columns
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-            vis = tl.trans(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW))
+            vis = tl.trans(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW, HAS_WINDOW))
             pt = tl.exp2(tl.where(vis, st, float("-inf")) - lse2[None, :])
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -274,6 +282,17 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+# The window mask costs a few registers: 16-bit forwards at BLOCK_D = 128 need 8 warps
+# to stay spill-free, and fp32 at BLOCK_D = 256 has no spill-free dk/dv tile, so a
+# window supports head_dim ≤ 128.
+WINDOW_MAX_HEAD_DIM = 128
+
+
+def window_tiles(t: FlashTiles, bd: int, fp32: bool) -> FlashTiles:
+    """The tiles of a windowed launch (``t``: the plain tiles at padded head dim ``bd``)."""
+    return t if fp32 or bd < 128 else dataclasses.replace(t, fwd_warps=8)
+
+
 def tiles(head_dim: int, dtype: torch.dtype) -> FlashTiles:
     """Launch tiles for ``head_dim`` and the input dtype (tests may monkeypatch this
     to force small tiles, so short sequences still span several blocks)."""
@@ -312,11 +331,13 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     B, S, H, D = q.shape
     N, HKV = k.shape[1], k.shape[2]
     t = tiles(D, q.dtype)
+    if window:
+        t = window_tiles(t, block_d(D), q.dtype == torch.float32)
     o = empty((B, S, H, D), dtype=out_dtype or q.dtype, device=q.device)
     lse = empty((B, H, S), dtype=torch.float32, device=q.device)
     wrap_triton(_flash_fwd_kernel)[(triton.cdiv(S, t.fwd_m), B * H)](
         q, k, v, key_mask, o, lse, S, N, H, HKV, D, LOG2E / math.sqrt(D), window,
-        HAS_MASK=key_mask is not None, BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n, BLOCK_D=block_d(D),
+        HAS_MASK=key_mask is not None, HAS_WINDOW=window > 0, BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n, BLOCK_D=block_d(D),
         PRECISION=dot_precision(q.dtype), num_warps=t.fwd_warps, num_stages=t.stages,
     )
     return o, lse
@@ -334,7 +355,8 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
-    common = dict(HAS_MASK=key_mask is not None, BLOCK_D=block_d(D), PRECISION=dot_precision(q.dtype),
+    common = dict(HAS_MASK=key_mask is not None, HAS_WINDOW=window > 0, BLOCK_D=block_d(D),
+                  PRECISION=dot_precision(q.dtype),
                   num_stages=t.stages)
     scale = 1.0 / math.sqrt(D)
     wrap_triton(_flash_bwd_dq_kernel)[(triton.cdiv(S, t.dq_m), B * H)](
@@ -391,6 +413,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     itself and the W − 1 positions before it (sliding-window attention)."""
     _check_dims(q, k)
     window = _check_window(window)
+    if window and q.shape[-1] > WINDOW_MAX_HEAD_DIM:
+        raise ShapeError(f"windowed flash attention supports head_dim <= {WINDOW_MAX_HEAD_DIM}, got {q.shape[-1]}")
     o, _ = _flash_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask_arg(key_mask), window)
     return o
 
@@ -431,18 +455,22 @@ def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 # ----------------------------------------------------------------------------
 
 
-def static_cases(out_dtypes: tuple[str, ...] | None = None) -> Iterator[StaticCase]:
+def static_cases(out_dtypes: tuple[str, ...] | None = None,
+                 windows: tuple[bool, ...] = (False,)) -> Iterator[StaticCase]:
     """Every (dtype, head-dim tile, mask) configuration the three kernels launch with.
 
     ``out_dtypes`` lists extra forward output dtypes (an epilogue caller stores O in
-    fp32 for bf16/fp16 inputs)."""
+    fp32 for bf16/fp16 inputs); ``windows`` which HAS_WINDOW variants the caller uses."""
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
         precision = dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16)
-        for bd, t in (_TILES_FP32 if dt == "fp32" else _TILES_16BIT).items():
-            for has_mask in (True, False):
-                tags = {"dtype": dt}
-                base = dict(HAS_MASK=has_mask, BLOCK_D=bd, PRECISION=precision)
+        for bd, plain in (_TILES_FP32 if dt == "fp32" else _TILES_16BIT).items():
+            for has_mask, has_window in ((m, w) for m in (True, False) for w in windows):
+                if has_window and bd > WINDOW_MAX_HEAD_DIM:
+                    continue
+                t = window_tiles(plain, bd, dt == "fp32") if has_window else plain
+                tags = {"dtype": dt} | ({"window": True} if has_window else {})
+                base = dict(HAS_MASK=has_mask, HAS_WINDOW=has_window, BLOCK_D=bd, PRECISION=precision)
                 for o_dt in dict.fromkeys((dt, *(out_dtypes or ()))):
                     yield StaticCase(
                         "flash_fwd", _flash_fwd_kernel,

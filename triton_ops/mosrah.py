@@ -489,6 +489,10 @@ def static_cases() -> Iterator[StaticCase]:
             yield StaticCase("mosrah_bwd_dkdv", _mosrah_bwd_dkdv_kernel,
                              bwd | dict(dk_ptr=p, dv_ptr=p) | scalars | dict(sm_scale="fp32"),
                              const | dict(BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n), t.warps, t.stages, tags=tags)
+    # the local sliding-window path of SHRAM: the shared flash core with a window
+    from . import _flash
+
+    yield from _flash.static_cases(windows=(True,))
 
 
 def tour_case(device: torch.device):

@@ -233,3 +233,6 @@ def test_flash_window_hides_distant_keys_and_rejects_bad_windows():
     torch.testing.assert_close(flash_attention(q, k2, v2, window=4)[:, 10:], out[:, 10:], atol=0, rtol=0)
     with pytest.raises(ConfigError, match="window"):
         flash_attention(q, k, v, window=0)
+    wide = torch.randn(1, 4, 1, 256)
+    with pytest.raises(ShapeError, match="head_dim"):
+        flash_attention(wide, wide, wide, window=2)
