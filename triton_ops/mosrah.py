@@ -36,7 +36,6 @@ Nothing S×S is stored: the backward saves Z (dense, u-wide) and the LSE per cop
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator
 

@@ -215,7 +215,6 @@ def test_padding_never_reaches_live_tokens():
     mask = torch.ones(2, 9, dtype=torch.bool)
     mask[0, :3] = False
     mask[1, 4] = False
-    y = x.clone().requires_grad_(True)
     poisoned = x.clone()
     poisoned[~mask] = float("nan")
     out_clean = m(x, attention_mask=mask).output
@@ -226,7 +225,6 @@ def test_padding_never_reaches_live_tokens():
     assert (out.output[~live] == 0).all()
     (out.output.sum() + out.load_balance_loss).backward()
     assert torch.isfinite(p.grad).all() and all(torch.isfinite(q.grad).all() for q in m.parameters())
-    del y
 
 
 def test_all_heads_reduces_to_mha_mixed_by_router_probabilities():
