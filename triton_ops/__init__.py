@@ -35,6 +35,8 @@ _EXPORTS = {
     "memory_caching": "memory_caching",
     "mom_read": "mom_read",
     "shared_matrix": "shared_matrix",
+    "mosrah": "mosrah",
+    "mosrah_attention": "mosrah",
     "siamese_boundary": "siamese_norm",
     "spelling_bee": "spelling_bee",
     "stack_memory": "stack_memory",

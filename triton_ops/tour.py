@@ -38,6 +38,7 @@ MECHANISMS = [
     "spelling_bee",
     "stack_memory",
     "leviathan",
+    "mosrah",
 ]
 
 
