@@ -160,12 +160,10 @@ def test_keys_depend_on_launch_settings_and_not_on_line_numbers():
         jit.starting_line_number = line
 
 
-def test_keys_are_the_same_with_and_without_the_interpreter():
-    code = ("import json; from laminae.triton_ops import _static; "
-            "print(json.dumps({j.id: j.key for j in _static.plan(['laurel'])}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_ENV)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert json.loads(out.stdout) == _keys(["laurel"])
+@pytest.mark.static
+def test_keys_are_the_same_with_and_without_the_interpreter(edited_run):
+    """The table is written by the compiler's process and read by this interpreted one."""
+    assert edited_run["laurel_keys"] == _keys(["laurel"])
 
 
 def test_static_case_defaults_are_tritons_launch_defaults():
@@ -191,7 +189,9 @@ _EDITED = textwrap.dedent("""
     _static.write_table(entries, table)
     res = _static.check(["derf_copy"], table_path=table, paths={"derf_copy": copy}, progress=None)
     job = _static.Job("badkern", 0, "badkern/bad", "", bad)
-    print(json.dumps(dict(check=res.to_json(), summary=res.summary(), bad=_static.compile_case(job))))
+    laurel = {j.id: j.key for j in _static.plan(["laurel"])}
+    print(json.dumps(dict(check=res.to_json(), summary=res.summary(), bad=_static.compile_case(job),
+                          laurel_keys=laurel)))
 """)
 
 
@@ -315,3 +315,55 @@ def test_parallel_runner_names_stuck_jobs_and_keeps_going():
     assert "kernel-sleep" in out[1]["error"] and "no CPU progress" in out[1]["error"]
     assert "kernel-spin" in out[2]["error"] and "CPU seconds" in out[2]["error"]
     assert "kernel-die" in out[3]["error"] and "died" in out[3]["error"]
+
+
+# ----------------------------------------------------------------------------
+# The cases describe the launches the code really makes
+# ----------------------------------------------------------------------------
+
+_PTR = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "i8", "uint8": "u8", "int32": "i32",
+        "int64": "i64", "bool": "i1"}
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="records launches in the interpreter")
+def test_static_cases_describe_the_launches_each_tour_case_makes(monkeypatch):
+    """Every launch of the tour (forward and backward of each mechanism) is a static
+    case: same kernel, constexprs, num_warps, num_stages (Triton's defaults where the
+    launch passes none) and pointer dtypes. A case that lies about its launch would
+    put the wrong compile in the table."""
+    import inspect
+
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from laminae.triton_ops._parity import _run
+
+    launches = []
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        params = inspect.signature(self.fn).parameters
+        bound = inspect.signature(self.fn).bind_partial(*args, **{k: v for k, v in kwargs.items() if k in params})
+        launches.append((self.fn, {k: v for k, v in bound.arguments.items() if "constexpr" in str(params[k].annotation)},
+                         {k: _PTR.get(str(v.dtype).removeprefix("torch."), "?") for k, v in bound.arguments.items()
+                          if isinstance(v, torch.Tensor)},
+                         kwargs.get("num_warps", 4), kwargs.get("num_stages", 3)))
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", run)
+    cases = {}
+    for stem in MECHANISMS:
+        for case in _static.cases_of(stem):
+            cases.setdefault(case.kernel.fn, []).append(case)
+        module = __import__(f"laminae.triton_ops.{stem}", fromlist=["tour_case"])
+        tours = module.tour_case(torch.device("cpu"))
+        for tour in tours if isinstance(tours, (list, tuple)) else [tours]:
+            _run(tour.op, tour.inputs, tour.grad_names, None, 0, None)
+    assert launches
+    lies = []
+    for fn, const, ptrs, warps, stages in launches:
+        if not any(all(c.constexprs.get(k) == v for k, v in const.items()) and (c.num_warps, c.num_stages) == (warps, stages)
+                   and all(c.signature.get(k, f"*{d}") == f"*{d}" for k, d in ptrs.items())
+                   for c in cases.get(fn, [])):
+            lies.append(f"{fn.__name__} {const} warps={warps} stages={stages} {ptrs}")
+    assert not lies, "launches no static case describes:\n" + "\n".join(sorted(set(lies)))
