@@ -24,8 +24,11 @@ bench: setup
 report: setup
 	$(PY) bench/report.py bench/results/latest.json --static
 
+# Recompile what changed since the committed table, rewrite it and the docs' static
+# section (STEMS="a b" limits it to some mechanisms).
 static: setup
-	$(PY) bench/report.py --static
+	env -u TRITON_INTERPRET $(PY) -m laminae.triton_ops._static --write $(STEMS)
+	$(PY) bench/report.py --update-docs docs/benchmarks.md
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .benchmarks

@@ -1,7 +1,9 @@
 """Turn pytest-benchmark JSON into a markdown table and a PNG chart, and/or print
-the static sm_90 resource table.
+the static sm_90 summary (read from ``triton_ops/static_sm90.json``; ``make static``
+refreshes that table and this script's ``--update-docs`` writes it into the docs).
 
     python bench/report.py bench/results/latest.json [--png out.png] [--static]
+    python bench/report.py --update-docs docs/benchmarks.md
 
 Table columns: median time per provider (eager reference, torch.compile'd
 reference, Triton op), the speed-ups of the Triton op and of the compiled
@@ -13,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from collections import defaultdict
 
@@ -85,17 +86,22 @@ def chart(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def static_table() -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "laminae.triton_ops._static"], capture_output=True, text=True, env=env)
-    return proc.stdout + (proc.stderr[-2000:] if proc.returncode else "")
+def static_table(per_config: bool = False) -> str:
+    """The static sm_90 record, from the committed table (``make static`` refreshes
+    it; nothing is compiled here)."""
+    from laminae.triton_ops import _static
+
+    reports = list(_static.load_table().values())
+    return _static.markdown(reports) if per_config else _static.docs_section(reports)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="?", help="pytest-benchmark JSON file")
     p.add_argument("--png", help="chart path (default: next to the JSON)")
-    p.add_argument("--static", action="store_true", help="also print the static sm_90 resource table")
+    p.add_argument("--static", action="store_true", help="also print the static sm_90 summary (from the table)")
+    p.add_argument("--static-configs", action="store_true", help="print every static sm_90 configuration")
+    p.add_argument("--update-docs", metavar="MD", help="rewrite the generated static section of this file")
     args = p.parse_args(argv)
     if args.json:
         machine, rows = load(args.json)
@@ -111,8 +117,13 @@ def main(argv=None) -> int:
             print(f"\nchart: {png}")
         except ImportError:
             print("\n(matplotlib not installed: no chart; `pip install laminae[bench]`)")
-    if args.static:
-        print("\n" + static_table())
+    if args.static or args.static_configs:
+        print("\n" + static_table(per_config=args.static_configs))
+    if args.update_docs:
+        from laminae.triton_ops import _static
+
+        changed = _static.update_docs(args.update_docs, list(_static.load_table().values()))
+        print(f"{args.update_docs}: static section {'updated' if changed else 'unchanged'}")
     return 0
 
 

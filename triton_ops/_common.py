@@ -75,6 +75,8 @@ class StaticCase:
 
     ``signature`` maps every runtime argument to a Triton type string ("*fp32",
     "i32", "fp32"); constexpr arguments are listed in ``constexprs``.
+    ``num_warps``/``num_stages`` must be what the launch passes; their defaults are
+    Triton's own for CUDA (4 warps, 3 stages), which a launch that passes neither gets.
     """
 
     name: str
@@ -82,7 +84,7 @@ class StaticCase:
     signature: dict[str, str]
     constexprs: dict[str, Any]
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     tags: dict[str, Any] = field(default_factory=dict)
 
     @property

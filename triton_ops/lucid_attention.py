@@ -254,6 +254,9 @@ def _lucid_dk_kernel(k_ptr, mask_ptr, vp_ptr, dv_ptr, dk_ptr, N, HKV, D, eps, sc
 # cores) and for bf16/fp16 (tensor cores), sized for sm_90 without spills (see
 # ``python -m laminae.triton_ops._static lucid_attention``). Head dims above the
 # largest key have no spill-free tile and are rejected.
+# The tiles were sized at 2 pipeline stages; at Triton's default 3 the fp32 solve at
+# D = 16 and the bf16/fp16 dV kernel at D = 32 spill on sm_90 (static check).
+NUM_STAGES = 2
 _TILES: dict[str, dict[int, tuple[int, int]]] = {
     "fp32": {16: (32, 4), 32: (32, 8), 64: (16, 8)},
     "low": {16: (64, 4), 32: (64, 4), 64: (32, 8), 128: (16, 8)},
@@ -302,7 +305,7 @@ def _lucid_precondition_op(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
     wrap_triton(_lucid_solve_kernel)[(B * HKV,)](
         k, v, key_mask, vp, N, HKV, D, eps, scale, shift,
         HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=block, BLOCK_D=block_d(D),
-        PRECISION=dot_precision(k.dtype), num_warps=warps,
+        PRECISION=dot_precision(k.dtype), num_warps=warps, num_stages=NUM_STAGES,
     )
     return vp
 
@@ -318,7 +321,7 @@ def _lucid_precondition_bwd_op(dvp: torch.Tensor, k: torch.Tensor, vp: torch.Ten
     dv = empty((B, N, HKV, D), dtype=torch.float32, device=k.device)
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     common = dict(HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=block, BLOCK_D=block_d(D),
-                  PRECISION=dot_precision(k.dtype), num_warps=warps)
+                  PRECISION=dot_precision(k.dtype), num_warps=warps, num_stages=NUM_STAGES)
     wrap_triton(_lucid_dv_kernel)[(B * HKV,)](k, key_mask, dvp, dv, N, HKV, D, eps, scale, shift, **common)
     wrap_triton(_lucid_dk_kernel)[(triton.cdiv(N, block), B * HKV)](
         k, key_mask, vp, dv, dk, N, HKV, D, eps, scale, shift, **common)
@@ -413,13 +416,13 @@ def static_cases() -> Iterator[StaticCase]:
                 tags = {"dtype": dt}
                 yield StaticCase("lucid_solve", _lucid_solve_kernel,
                                  dict(k_ptr=p, v_ptr=p, mask_ptr="*i8", vp_ptr="*fp32") | scalars,
-                                 const, warps, tags=tags)
+                                 const, warps, NUM_STAGES, tags=tags)
                 yield StaticCase("lucid_bwd_dv", _lucid_dv_kernel,
                                  dict(k_ptr=p, mask_ptr="*i8", dvp_ptr="*fp32", dv_ptr="*fp32") | scalars,
-                                 const, warps, tags=tags)
+                                 const, warps, NUM_STAGES, tags=tags)
                 yield StaticCase("lucid_bwd_dk", _lucid_dk_kernel,
                                  dict(k_ptr=p, mask_ptr="*i8", vp_ptr="*fp32", dv_ptr="*fp32", dk_ptr=p) | scalars,
-                                 const, warps, tags=tags)
+                                 const, warps, NUM_STAGES, tags=tags)
 
 
 def tour_case(device: torch.device):
