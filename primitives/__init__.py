@@ -14,6 +14,7 @@ from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
+from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
 from .xsa import ExclusiveSelfAttention, xsa_reference
 
@@ -40,6 +41,7 @@ __all__ = [
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
     "MoMRead", "MoMReadState", "mom_read_reference",
+    "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
     "ExclusiveSelfAttention", "xsa_reference",
     "BRANCH_CALLS", "BlockContext", "Branch", "CausalLM", "DecoderCache", "DecoderModel", "ResidualBlock", "layer_plan",

@@ -24,6 +24,7 @@ _EXPORTS = {
     "lucid_attention": "lucid_attention",
     "memory_caching": "memory_caching",
     "mom_read": "mom_read",
+    "shared_matrix": "shared_matrix",
     "siamese_boundary": "siamese_norm",
     "xsa": "xsa",
 }

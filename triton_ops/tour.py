@@ -33,6 +33,7 @@ MECHANISMS = [
     "memory_caching",
     "mom_read",
     "hrm_refinement",
+    "shared_matrix",
 ]
 
 
