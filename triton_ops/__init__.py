@@ -25,6 +25,8 @@ _EXPORTS = {
     "memory_caching": "memory_caching",
     "mom_read": "mom_read",
     "shared_matrix": "shared_matrix",
+    "mosrah": "mosrah",
+    "mosrah_attention": "mosrah",
     "siamese_boundary": "siamese_norm",
     "xsa": "xsa",
 }
