@@ -14,6 +14,7 @@ from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
+from .elastic_decoder import ElasticCausalLM
 from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
                      mosrah_reference)
@@ -43,6 +44,7 @@ __all__ = [
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
     "MoMRead", "MoMReadState", "mom_read_reference",
+    "ElasticCausalLM",
     "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
     "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",

@@ -1,6 +1,7 @@
 """Train a recipe at a tiny size on byte-level text.
 
     python -m laminae.recipes.train --recipe naylis --steps 200
+    python -m laminae.recipes.train --recipe shell_elastic --tiers low,max   # multi-tier steps
     torchrun --nproc_per_node 2 -m laminae.recipes.train --recipe spikewhale    # DDP, gloo on CPU
     torchrun --nproc_per_node 2 -m laminae.recipes.train --recipe naylis --fsdp  # FSDP2
 
@@ -36,6 +37,9 @@ TINY = {
                        q_lora_rank=32, o_lora_rank=32, max_position_embeddings=256, moe_intermediate_size=64,
                        use_moe=True, moe_layers=[1], n_routed_experts=4, num_experts_per_tok=2,
                        n_shared_experts=1, num_nextn_predict_layers=1, zloss_coef=1e-4),
+    "shell_elastic": dict(vocab_size=256, num_hidden_layers=2, hidden_size=64, head_dim=16, base_width=16,
+                          mlp_base_width=32, widths=(1, 2, 4), tiers=("low", "medium", "max"),
+                          mlp_output_divisor=2.0, max_position_embeddings=256),
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "docs"
 
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="override a config field")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--tiers", default=None, metavar="T1,T2",
+                   help="elastic recipes: train these tiers each step (losses summed; default the widest)")
     args = p.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -168,7 +174,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         rows = global_batch(corpus, step, args.batch_size, args.seq_len, args.seed)[rank::world]
-        value, _ = recipe.loss(model if world == 1 else _Forward(model, lm), rows)
+        extra = {"tiers": args.tiers.split(",")} if args.tiers else {}
+        value, _ = recipe.loss(model if world == 1 else _Forward(model, lm), rows, **extra)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         optimizer.step()

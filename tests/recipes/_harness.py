@@ -70,3 +70,10 @@ def gradient_errors(mod, model, expected) -> dict[str, float]:
     return errors
 
 
+
+
+def tier_gradient_errors(mod, model, expected, tier: str) -> dict[str, float]:
+    """:func:`gradient_errors` for a tiered fixture (``grad.<tier>.<name>``)."""
+    prefix = f"grad.{tier}."
+    tiered = {"grad." + k[len(prefix):]: v for k, v in expected.items() if k.startswith(prefix)}
+    return gradient_errors(mod, model, tiered)
