@@ -18,6 +18,7 @@ from .elastic_decoder import ElasticCausalLM
 from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
                      mosrah_reference)
+from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
 from .xsa import ExclusiveSelfAttention, xsa_reference
 
@@ -47,6 +48,7 @@ __all__ = [
     "ElasticCausalLM",
     "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
     "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",
+    "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
     "ExclusiveSelfAttention", "xsa_reference",
     "BRANCH_CALLS", "BlockContext", "Branch", "CausalLM", "DecoderCache", "DecoderModel", "ResidualBlock", "layer_plan",

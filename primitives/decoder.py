@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import check_keep_mask, check_tensor
+from ._errors import ConfigError, ShapeError
+from ._validation import check_keep_mask, check_same_device, check_tensor
 from .gqa import GroupedQueryAttention, KVCache
 from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
 
@@ -318,6 +318,7 @@ class DecoderModel(nn.Module):
         if input_ids.shape[1] == 0:
             raise ShapeError("`input_ids` has an empty sequence; the model needs at least one token")
         check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
+        check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=self.embed_tokens.weight)
         if cache is not None:
             if not isinstance(cache, DecoderCache):
                 raise TypeError(f"`cache` must be a DecoderCache or None, got {type(cache).__name__}")

@@ -14,8 +14,8 @@ Cores: ``"sdpa"`` (``F.scaled_dot_product_attention``) or a module from this pac
 :class:`~laminae.primitives.elo_attention.EloAttention`,
 :class:`~laminae.primitives.affine_scaled_attention.AffineScaledAttention`,
 :class:`~laminae.primitives.lucid_attention.LucidAttention`. The block owns the KV
-cache for SDPA, DERF and Elo; Affine and LUCID keep their own cache objects
-(inside :class:`KVCache.core_state`).
+cache for SDPA, DERF, Elo and affine-scaled attention; LUCID keeps its own
+(immutable) cache object inside :class:`KVCache.core_state`.
 
 Depth attention (Nanbeige): a layer mixes its fresh values with the (k, v) of earlier
 layers by a softmax over depth of q·k, gated by ``tanh(depth_gate)`` (zero-init). The
@@ -331,13 +331,11 @@ class GroupedQueryAttention(nn.Module):
 
     def _attend(self, x, q, k, v, keep, cache):
         kind = self.core_kind
-        if kind in ("affine", "lucid"):
-            # these cores keep their own decoding state; the block passes it through
+        if kind == "lucid":
+            # LUCID's state is its preconditioned values, not plain keys: it keeps its own
+            # (immutable) LucidCache, carried in core_state
             state = None if cache is None else cache.core_state
-            args = (x, q, k, v) if kind == "affine" else (q, k, v)
-            if cache is not None and state is None and kind == "affine":
-                state = self.core.allocate_cache(x.shape[0], 4096, k.dtype, k.device)
-            y, state = self.core(*args, attention_mask=keep, cache=state)
+            y, state = self.core(q, k, v, attention_mask=keep, cache=state)
             return y, (None if cache is None else KVCache(cache.length + q.shape[1], self.signature, state))
         keys, values, key_mask, prior = k, v, keep, None
         new_cache = None
@@ -355,6 +353,8 @@ class GroupedQueryAttention(nn.Module):
             y = sdpa_core(q, keys, values, key_mask, drop)
         elif kind == "derf":
             y, _ = self.core(q, keys, values, attention_mask=key_mask)
+        elif kind == "affine":
+            y, _ = self.core(x, q, keys, values, attention_mask=key_mask)
         else:  # elo: the ratings of earlier keys are the core's state
             from .elo_attention import EloAttentionCache
 

@@ -16,7 +16,8 @@ each pair gets its rank inside its expert's group, the rows are scattered into a
 ``[E, T, H]`` buffer (capacity T: a token never picks one expert twice), the experts
 run as one batched matmul over stacked weights, and the results are gathered back and
 summed per token with ``index_add``. No host synchronisation and no Python loop over
-experts; the price is an ``E·T·H`` buffer, fine at the sizes recipes train on CPU.
+experts; the price is an ``E·T·H`` buffer and E/k times the routed matmul work (static
+shapes instead of a host sync), fine at the sizes recipes train on CPU.
 (A grouped GEMM — ``torch._grouped_mm`` on Hopper — would take the sorted rows
 directly; it is not used here because its CPU path is not reliable in torch 2.13.)
 """

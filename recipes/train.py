@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ._checkpoint import load_checkpoint, save_checkpoint
+
 # Tiny sizes (config fields) per recipe: a few seconds per dozen steps on 2 CPU cores.
 TINY = {
     "naylis": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -66,45 +68,6 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
-def save_checkpoint(path: Path, model, optimizer, step: int, meta: dict) -> None:
-    from safetensors.torch import save_file
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=opts)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return
-    tensors = {f"model/{k}": v.detach().clone().contiguous() for k, v in model_sd.items()}
-    for name, state in optim_sd["state"].items():
-        for k, v in state.items():
-            tensors[f"optim/{name}/{k}"] = torch.as_tensor(v).detach().clone().contiguous().reshape(-1) \
-                if k == "step" else v.detach().clone().contiguous()
-    save_file(tensors, str(path), metadata={"step": str(step), **{k: json.dumps(v) for k, v in meta.items()}})
-
-
-def load_checkpoint(path: Path, model, optimizer) -> tuple[int, list]:
-    from safetensors import safe_open
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    model_sd, state = {}, {}
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
-        for key in f.keys():
-            kind, _, rest = key.partition("/")
-            if kind == "model":
-                model_sd[rest] = f.get_tensor(key)
-            else:
-                name, _, k = rest.rpartition("/")
-                t = f.get_tensor(key)
-                state.setdefault(name, {})[k] = t.reshape(()) if k == "step" else t
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(state)}
-              for g in optimizer.state_dict()["param_groups"]][:1]
-    set_state_dict(model, optimizer, model_state_dict=model_sd,
-                   optim_state_dict={"state": state, "param_groups": groups},
-                   options=StateDictOptions(full_state_dict=True, strict=False))
-    return int(meta["step"]), json.loads(meta.get("history", "[]"))
-
-
 def plot(history: list, path: Path, title: str) -> None:
     try:
         import matplotlib
@@ -139,6 +102,7 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--tiers", default=None, metavar="T1,T2",
                    help="elastic recipes: train these tiers each step (losses summed; default the widest)")
+    p.add_argument("--noise-cutoff", type=float, default=0.15, help="fraction of steps with router noise")
     args = p.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -173,6 +137,11 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
 
     for step in range(start, args.steps):
         t0 = time.perf_counter()
+        if step >= args.noise_cutoff * args.steps:
+            # Naylis' trainer: the MoM router's Gumbel exploration stops at 15 % of the run
+            for module in lm.modules():
+                if hasattr(module, "noise_scale"):
+                    module.noise_scale = 0.0
         rows = global_batch(corpus, step, args.batch_size, args.seq_len, args.seed)[rank::world]
         extra = {"tiers": args.tiers.split(",")} if args.tiers else {}
         value, _ = recipe.loss(model if world == 1 else _Forward(model, lm), rows, **extra)

@@ -28,6 +28,7 @@ _EXPORTS = {
     "mosrah": "mosrah",
     "mosrah_attention": "mosrah",
     "siamese_boundary": "siamese_norm",
+    "spelling_bee": "spelling_bee",
     "xsa": "xsa",
 }
 

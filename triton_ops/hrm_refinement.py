@@ -67,7 +67,9 @@ def row_bwd_warps(block_d: int) -> int:
         return 4
     if block_d <= 2048:
         return 8
-    return 16
+    if block_d <= 4096:
+        return 16
+    return 32
 
 
 @triton.jit

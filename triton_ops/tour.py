@@ -35,6 +35,7 @@ MECHANISMS = [
     "hrm_refinement",
     "shared_matrix",
     "mosrah",
+    "spelling_bee",
 ]
 
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from laminae.primitives import ConfigError
+from laminae.primitives import ConfigError, DeviceError
 from laminae.primitives.decoder import (Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
                                         layer_plan)
 from laminae.primitives.gqa import GroupedQueryAttention
@@ -89,6 +89,8 @@ def test_named_errors():
         lm(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="attention_mask"):
         lm(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0.0, -float("inf"), 0.0]]))
+    with pytest.raises(DeviceError, match="input_ids on meta"):
+        lm(torch.zeros(1, 3, dtype=torch.long, device="meta"))
     other = tiny_llama(3)
     with torch.no_grad():
         cache = other(torch.zeros(1, 2, dtype=torch.long), cache=DecoderCache()).cache

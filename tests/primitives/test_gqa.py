@@ -4,7 +4,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from laminae.primitives import ConfigError, DERFAttention, DTypeError, EloAttention, ShapeError
+from laminae.primitives import (AffineScaledAttention, ConfigError, DERFAttention, DTypeError, EloAttention,
+                                LucidAttention, ShapeError)
 from laminae.primitives.gqa import GroupedQueryAttention, KVCache, depth_mix_values, sdpa_core
 from laminae.primitives.rotary import RotaryEmbedding
 
@@ -32,6 +33,10 @@ def make(core="sdpa", **kw):
     torch.manual_seed(0)
     if core == "derf":
         core = DERFAttention(4, 2, 8, backend="reference")
+    elif core == "affine":
+        core = AffineScaledAttention(16, 4, 2, 8, backend="reference")
+    elif core == "lucid":
+        core = LucidAttention(4, 2, 8, backend="reference")
     elif core == "elo":
         core = EloAttention(4, 2, 8, backend="reference")
         with torch.no_grad():
@@ -39,7 +44,7 @@ def make(core="sdpa", **kw):
     return GroupedQueryAttention(16, 4, 2, 8, core=core, rope=RotaryEmbedding(4), **kw).eval()
 
 
-@pytest.mark.parametrize("core", ["sdpa", "derf", "elo"])
+@pytest.mark.parametrize("core", ["sdpa", "derf", "elo", "affine", "lucid"])
 @pytest.mark.parametrize("options", [{}, {"q_lora_rank": 6, "o_lora_rank": 5, "qk_norm": True, "xsa": True}])
 def test_prefill_then_steps_equals_full_forward(core, options):
     attn = make(core, **options)

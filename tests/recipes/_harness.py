@@ -70,10 +70,22 @@ def gradient_errors(mod, model, expected) -> dict[str, float]:
     return errors
 
 
-
-
 def tier_gradient_errors(mod, model, expected, tier: str) -> dict[str, float]:
     """:func:`gradient_errors` for a tiered fixture (``grad.<tier>.<name>``)."""
     prefix = f"grad.{tier}."
     tiered = {"grad." + k[len(prefix):]: v for k, v in expected.items() if k.startswith(prefix)}
     return gradient_errors(mod, model, tiered)
+
+
+def decode_in_steps(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of a prefill of ``prefill`` tokens followed by one-token cached steps."""
+    from laminae.primitives.decoder import DecoderCache
+
+    with torch.no_grad():
+        out = model(ids[:, :prefill], cache=DecoderCache())
+        steps, cache = [out.logits], out.cache
+        for t in range(prefill, ids.shape[1]):
+            out = model(ids[:, t:t + 1], cache=cache)
+            steps.append(out.logits)
+            cache = out.cache
+    return torch.cat(steps, dim=1)

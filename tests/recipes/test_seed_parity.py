@@ -8,7 +8,7 @@ import torch
 
 from laminae.primitives.decoder import DecoderCache
 
-from ._harness import FIXTURES, GRAD_ATOL, LOGIT_ATOL, build_loaded, gradient_errors, load
+from ._harness import FIXTURES, GRAD_ATOL, LOGIT_ATOL, build_loaded, decode_in_steps, gradient_errors, load
 
 BACKENDS = ["reference", "triton"]
 
@@ -45,13 +45,7 @@ def test_cached_decoding_matches_the_full_forward(fixture):
     ids = inputs["input_ids"]
     with torch.no_grad():
         full = model(ids).logits
-        out = model(ids[:, :3], cache=DecoderCache())
-        steps, cache = [out.logits], out.cache
-        for t in range(3, ids.shape[1]):
-            out = model(ids[:, t:t + 1], cache=cache)
-            steps.append(out.logits)
-            cache = out.cache
-    incremental = torch.cat(steps, dim=1)
+    incremental = decode_in_steps(model, ids, 3)
     assert (incremental - full).abs().max().item() <= 1e-5
     if "incremental_logits.prefill3" in expected:
         assert (incremental - expected["incremental_logits.prefill3"]).abs().max().item() <= LOGIT_ATOL
@@ -103,3 +97,19 @@ def test_runs_under_cpu_autocast(fixture):
         loss, out = mod.loss(model, inputs["input_ids"], inputs["labels"])
     assert torch.isfinite(loss)
     loss.backward()
+
+
+@pytest.mark.parametrize("fixture", sorted(FIXTURES))
+def test_padding_never_reaches_kept_positions(fixture):
+    mod, model, inputs, _ = build_loaded(fixture)
+    ids = inputs["input_ids"]
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[0, 9:] = False                                    # row 0: 9 tokens, right-padded
+    junk = ids.clone()
+    junk[0, 9:] = (ids[0, 9:] * 7 + 3) % model.lm_head.weight.shape[0]
+    with torch.no_grad():
+        a = model(ids, keep).logits
+        b = model(junk, keep).logits
+        alone = model(ids[:1, :9]).logits
+    torch.testing.assert_close(b[keep], a[keep], atol=1e-5, rtol=0)
+    torch.testing.assert_close(a[0, :9], alone[0], atol=1e-5, rtol=0)

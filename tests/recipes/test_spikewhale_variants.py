@@ -10,8 +10,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from laminae.primitives import ConfigError
-from laminae.primitives.decoder import DecoderCache
 from laminae.recipes import spikewhale as sw
+
+from ._harness import decode_in_steps
 
 TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, nope_head_dim=4, qk_rope_head_dim=4, q_lora_rank=16, o_lora_rank=16,
@@ -58,13 +59,7 @@ def test_any_flag_combination_trains_and_decodes_like_the_full_forward(f):
     model.eval()
     with torch.no_grad():
         full = model(ids).logits
-        out = model(ids[:, :3], cache=DecoderCache())
-        steps, cache = [out.logits], out.cache
-        for t in range(3, 7):
-            out = model(ids[:, t:t + 1], cache=cache)
-            steps.append(out.logits)
-            cache = out.cache
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(decode_in_steps(model, ids, 3), full, atol=2e-5, rtol=2e-5)
 
 
 def test_first_pre_mix_is_frozen_only_when_layer_0_runs_once():
