@@ -15,6 +15,8 @@ from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
 from .elastic_decoder import ElasticCausalLM
+from .hybrid_attention import HybridAttention, HybridAttentionCache
+from .sliding_window import SlidingWindowAttention, SlidingWindowCache
 from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
                      mosrah_reference)
@@ -45,7 +47,7 @@ __all__ = [
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
     "MoMRead", "MoMReadState", "mom_read_reference",
-    "ElasticCausalLM",
+    "ElasticCausalLM", "HybridAttention", "HybridAttentionCache", "SlidingWindowAttention", "SlidingWindowCache",
     "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
     "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",
     "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",

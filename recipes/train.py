@@ -42,6 +42,9 @@ TINY = {
     "shell_elastic": dict(vocab_size=256, num_hidden_layers=2, hidden_size=64, head_dim=16, base_width=16,
                           mlp_base_width=32, widths=(1, 2, 4), tiers=("low", "medium", "max"),
                           mlp_output_divisor=2.0, max_position_embeddings=256),
+    "shram": dict(vocab_size=256, embedding_width=64, mlp_width=128, num_decoder_layers=2,
+                  num_sliding_window_heads=2, num_mosrah_heads=4, num_selected_heads=2, head_dim=16,
+                  window_size=16, training_sequence_length=256),
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "docs"
 

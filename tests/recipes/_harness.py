@@ -21,6 +21,8 @@ FIXTURES = {
     "naylis": "naylis",
     "spikewhale_off": "spikewhale",
     "spikewhale_on": "spikewhale",
+    "shram_tiny": "shram",
+    "shram_tiny_yarn": "shram",
 }
 
 LOGIT_ATOL = 1e-4
