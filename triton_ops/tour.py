@@ -1,6 +1,7 @@
 """The main job: every implemented mechanism's Triton op against its reference.
 
     python -m laminae.triton_ops.tour            (or the ``laminae-tour`` script)
+    python -m laminae.triton_ops.tour --recipes  every recipe against its seed's fixtures
 
 For each mechanism it runs the kernel and the reference on small random inputs,
 forward and backward with a shared random upstream gradient, and prints the
@@ -117,7 +118,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="laminae-tour", description=__doc__.split("\n\n")[0])
     parser.add_argument("mechanisms", nargs="*", default=MECHANISMS, help="subset of mechanism stems")
     parser.add_argument("--reps", type=int, default=3, help="timing repetitions")
+    parser.add_argument("--recipes", action="store_true",
+                        help="instead: every recipe's seed-parity line on its fixtures (both backends)")
     args = parser.parse_args(argv)
+    if args.recipes:
+        _prepare_environment()
+        from laminae.recipes.parity import report
+
+        return report()
     unknown = sorted(set(args.mechanisms) - set(MECHANISMS))
     if unknown:
         parser.error(f"unknown mechanisms {unknown}; choose from {MECHANISMS}")

@@ -183,3 +183,10 @@ def test_runs_under_cpu_autocast(fixture):
     loss.backward()
     ce = F.cross_entropy(out.logits.flatten(0, 1), inputs["labels"].flatten(), ignore_index=-100)
     torch.testing.assert_close(ce, loss)
+
+
+def test_tour_parity_line_covers_every_tier():
+    from laminae.recipes.parity import check
+
+    r = check("elastic_matformer", "reference")
+    assert r["ok"] and r["grad_margin"] <= GRAD_ATOL and r["decode"] <= 1e-5

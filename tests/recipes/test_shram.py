@@ -165,3 +165,10 @@ def test_cache_of_another_model_is_rejected_and_reset_empties_it():
             other(inputs["input_ids"][:, 3:4] % 64, cache=cache)
     cache.reset()
     assert cache.length == 0 and cache.slots is None
+
+
+def test_tour_parity_line():
+    from laminae.recipes.parity import check
+
+    r = check("shram_tiny_yarn", "reference")
+    assert r["ok"] and r["logits"] <= LOGIT_ATOL and r["decode"] <= 1e-5
