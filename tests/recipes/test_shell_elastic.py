@@ -13,7 +13,7 @@ from laminae.primitives import ConfigError, DTypeError, ShapeError
 from laminae.primitives.decoder import DecoderCache
 from laminae.recipes import shell_elastic as se
 
-from ._harness import DATA, GRAD_ATOL, LOGIT_ATOL, tier_gradient_errors
+from ._harness import DATA, GRAD_ATOL, LOGIT_ATOL, relative_gradient_errors, tier_gradient_errors
 
 FIXTURES = ["elastic_fully", "elastic_matformer"]
 
@@ -48,6 +48,8 @@ def test_every_tier_matches_the_seed(fixture, backend):
             assert len(errors) == len(dict(model.named_parameters()))
             bad = {k: v for k, v in errors.items() if v > GRAD_ATOL}
             assert not bad, f"{tier}: gradients off the seed's: {bad}"
+            rel = relative_gradient_errors(se, model, expected, f"grad.{tier}.")
+            assert max(rel.values()) < 1e-4, f"{tier}: {max(rel, key=rel.get)} off by {max(rel.values()):.1e}"
 
 
 @pytest.mark.parametrize("fixture", FIXTURES)

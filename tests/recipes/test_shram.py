@@ -13,7 +13,7 @@ from laminae.primitives.decoder import DecoderCache
 from laminae.primitives.sliding_window import SlidingWindowAttention, SlidingWindowCache
 from laminae.recipes import shram
 
-from ._harness import LOGIT_ATOL, _files, build_loaded
+from ._harness import LOGIT_ATOL, _files, build_loaded, relative_gradient_errors
 
 TINY = dict(vocab_size=64, embedding_width=32, mlp_width=48, num_decoder_layers=2, num_sliding_window_heads=2,
             num_mosrah_heads=4, num_selected_heads=2, head_dim=8, window_size=3, training_sequence_length=16,
@@ -28,6 +28,9 @@ def test_loss_parts_and_max_vio_match_the_seed(fixture):
     assert abs(out.metrics["max_vio"].item() - expected["max_vio"].item()) <= LOGIT_ATOL
     ce = loss - 0.01 * out.aux_loss
     assert abs(ce.item() - expected["ce_loss"].item()) <= LOGIT_ATOL
+    loss.backward()
+    rel = relative_gradient_errors(mod, model, expected)
+    assert max(rel.values()) < 1e-4, f"{max(rel, key=rel.get)} off by {max(rel.values()):.1e}"
 
 
 def _decode(model, ids, keep, prefill):
