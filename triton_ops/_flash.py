@@ -7,7 +7,9 @@ Layout and visibility (the toolkit's attention convention):
   and ``H % H_kv == 0`` (query head ``h`` reads kv head ``h // (H // H_kv)``).
 - Query ``i`` sits at absolute position ``N − S + i`` (``S == N``: a plain forward;
   ``S < N``: decoding after a cache of ``N − S`` keys).
-- Key ``j`` is visible to query ``i`` iff ``j ≤ N − S + i`` and ``key_mask[b, j]``.
+- Key ``j`` is visible to query ``i`` iff ``j ≤ N − S + i`` and ``key_mask[b, j]``;
+  with a sliding ``window`` W also ``N − S + i − j < W`` (the query and the W − 1
+  positions before it; key blocks wholly outside the window are skipped).
 - A query with no visible key returns 0 and has log-sum-exp ``−inf``.
 
 Forward   grid ``(cdiv(S, BLOCK_M), B·H)``: online softmax over key blocks in fp32
@@ -40,7 +42,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from laminae.primitives._errors import DTypeError, ShapeError
+from laminae.primitives._errors import ConfigError, DTypeError, ShapeError
 
 from ._common import StaticCase, dot_precision, empty
 
@@ -65,9 +67,11 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
-def _visible(rows, cols, S, N, mask_ptr, b, HAS_MASK: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] bool: query row i sees key col j (causal, in range, kept)."""
+def _visible(rows, cols, S, N, mask_ptr, b, HAS_MASK: tl.constexpr, WINDOW):
+    """[BLOCK_M, BLOCK_N] bool: query row i sees key col j (causal, in range, kept,
+    within WINDOW positions when WINDOW > 0)."""
     vis = (cols[None, :] <= (N - S + rows)[:, None]) & (rows < S)[:, None] & (cols < N)[None, :]
+    vis = vis & ((WINDOW <= 0) | ((N - S + rows)[:, None] - cols[None, :] < WINDOW))
     if HAS_MASK:
         keep = tl.load(mask_ptr + b * N + cols, mask=cols < N, other=0)
         vis = vis & (keep != 0)[None, :]
@@ -75,8 +79,15 @@ def _visible(rows, cols, S, N, mask_ptr, b, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _window_first_key(first_query_pos, WINDOW, BLOCK_N: tl.constexpr):
+    """First key block any query at or after ``first_query_pos`` can see (0 without a window)."""
+    lo = tl.maximum(first_query_pos - WINDOW + 1, 0)
+    return tl.where(WINDOW > 0, (lo // BLOCK_N) * BLOCK_N, 0)
+
+
+@triton.jit
 def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
-                      S, N, H, HKV, D, qk_scale,
+                      S, N, H, HKV, D, qk_scale, WINDOW,
                       HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -99,12 +110,13 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     # keys past the last query of this block are never visible
     hi = tl.minimum(N, N - S + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = _window_first_key(N - S + pid_m * BLOCK_M, WINDOW, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols < N)[:, None] & d_ok[None, :]
         k = tl.load(k_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK), s, float("-inf"))
+        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -127,7 +139,7 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
 
 @triton.jit
 def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-                         S, N, H, HKV, D, qk_scale, sm_scale,
+                         S, N, H, HKV, D, qk_scale, sm_scale, WINDOW,
                          HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -152,13 +164,14 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_p
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     hi = tl.minimum(N, N - S + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = _window_first_key(N - S + pid_m * BLOCK_M, WINDOW, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols < N)[:, None] & d_ok[None, :]
         k = tl.load(k_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK), s, float("-inf"))
+        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW), s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
@@ -168,7 +181,7 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_p
 
 @triton.jit
 def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                           S, N, H, HKV, D, qk_scale, sm_scale,
+                           S, N, H, HKV, D, qk_scale, sm_scale, WINDOW,
                            HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -189,10 +202,12 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta
     # the first query that can see key pid_n·BLOCK_N, rounded down to a query block
     lo = tl.maximum(pid_n * BLOCK_N - (N - S), 0)
     lo = (lo // BLOCK_M) * BLOCK_M
+    # the last query that can see the last key of this block, with a window
+    hi = tl.where(WINDOW > 0, tl.minimum(S, (pid_n + 1) * BLOCK_N - 1 + WINDOW - (N - S)), S)
     for g in range(0, group):
         h = kvh * group + g
         q_base = (b * S * H + h) * D
-        for start_m in range(lo, S, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + offs_m
             row_ok = rows < S
             q_off = q_base + rows[:, None] * (H * D) + offs_d[None, :]
@@ -204,7 +219,7 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta
             delta = tl.load(delta_ptr + (b * H + h) * S + rows, mask=row_ok, other=0.0)
             # transposed scores sᵀ [BLOCK_N, BLOCK_M]: key rows, query columns
             st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-            vis = tl.trans(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK))
+            vis = tl.trans(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW))
             pt = tl.exp2(tl.where(vis, st, float("-inf")) - lse2[None, :])
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -288,7 +303,7 @@ def mask_arg(key_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  out_dtype: torch.dtype | None = None, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(O, lse)``: ``O = softmax(q·kᵀ/√D + mask)·v`` ``[B, S, H, D]`` in ``out_dtype``
     (default: the dtype of ``q``) and the natural log-sum-exp ``[B, H, S]`` fp32.
 
@@ -300,7 +315,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     o = empty((B, S, H, D), dtype=out_dtype or q.dtype, device=q.device)
     lse = empty((B, H, S), dtype=torch.float32, device=q.device)
     wrap_triton(_flash_fwd_kernel)[(triton.cdiv(S, t.fwd_m), B * H)](
-        q, k, v, key_mask, o, lse, S, N, H, HKV, D, LOG2E / math.sqrt(D),
+        q, k, v, key_mask, o, lse, S, N, H, HKV, D, LOG2E / math.sqrt(D), window,
         HAS_MASK=key_mask is not None, BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n, BLOCK_D=block_d(D),
         PRECISION=dot_precision(q.dtype), num_warps=t.fwd_warps, num_stages=t.stages,
     )
@@ -308,7 +323,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
 
 
 def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                   do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                   do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, window: int = 0,
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` for upstream ``do`` ``[B, S, H, D]`` (the dtype of ``q``), given
     the forward's ``lse`` and ``delta = rowsum(do·O)`` ``[B, H, S]`` fp32. All
@@ -323,11 +338,11 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
                   num_stages=t.stages)
     scale = 1.0 / math.sqrt(D)
     wrap_triton(_flash_bwd_dq_kernel)[(triton.cdiv(S, t.dq_m), B * H)](
-        q, k, v, key_mask, do, lse, delta, dq, S, N, H, HKV, D, scale * LOG2E, scale,
+        q, k, v, key_mask, do, lse, delta, dq, S, N, H, HKV, D, scale * LOG2E, scale, window,
         BLOCK_M=t.dq_m, BLOCK_N=t.dq_n, num_warps=t.dq_warps, **common,
     )
     wrap_triton(_flash_bwd_dkdv_kernel)[(triton.cdiv(N, t.dkdv_n), B * HKV)](
-        q, k, v, key_mask, do, lse, delta, dk, dv, S, N, H, HKV, D, scale * LOG2E, scale,
+        q, k, v, key_mask, do, lse, delta, dk, dv, S, N, H, HKV, D, scale * LOG2E, scale, window,
         BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n, num_warps=t.dkdv_warps, **common,
     )
     return dq, dk, dv
@@ -340,45 +355,57 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: 
 
 @triton_op("laminae::flash_attention_fwd", mutates_args=())
 def _flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_forward(q, k, v, key_mask)
+                         key_mask: torch.Tensor | None, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_forward(q, k, v, key_mask, window=window)
 
 
 @triton_op("laminae::flash_attention_bwd", mutates_args=())
 def _flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                         do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                         do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, window: int = 0,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_backward(q, k, v, key_mask, do, lse, delta)
+    return flash_backward(q, k, v, key_mask, do, lse, delta, window)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key_mask = inputs
+    q, k, v, key_mask = inputs[:4]
     o, lse = output
     ctx.save_for_backward(q, k, v, key_mask, o, lse)
+    ctx.window = inputs[4] if len(inputs) > 4 else 0
 
 
 def _backward(ctx, do, _dlse):
     q, k, v, key_mask, o, lse = ctx.saved_tensors
     do = do.contiguous()
     delta = (do.float() * o.float()).sum(-1).permute(0, 2, 1).contiguous()
-    dq, dk, dv = _flash_attention_bwd(q, k, v, key_mask, do, lse, delta)
-    return dq, dk, dv, None
+    dq, dk, dv = _flash_attention_bwd(q, k, v, key_mask, do, lse, delta, ctx.window)
+    return dq, dk, dv, None, None
 
 
 _flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                    key_mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal softmax attention ``[B, S, H, D]`` (differentiable in q, k, v); the
-    signature of :func:`flash_attention_reference`."""
+    signature of :func:`flash_attention_reference`. ``window`` W: each query sees
+    itself and the W − 1 positions before it (sliding-window attention)."""
     _check_dims(q, k)
-    o, _ = _flash_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask_arg(key_mask))
+    window = _check_window(window)
+    o, _ = _flash_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask_arg(key_mask), window)
     return o
 
 
+def _check_window(window: int | None) -> int:
+    if window is None:
+        return 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"`window` must be None or a positive int, got {window!r}")
+    return window
+
+
 def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              key_mask: torch.Tensor | None = None, *, upcast: bool = True) -> torch.Tensor:
+                              key_mask: torch.Tensor | None = None, window: int | None = None, *,
+                              upcast: bool = True) -> torch.Tensor:
     """Plain causal softmax attention with the same conventions (materialises P)."""
     dtype = q.dtype
     compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
@@ -388,8 +415,9 @@ def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kc = k.to(compute).repeat_interleave(group, dim=2)
     vc = v.to(compute).repeat_interleave(group, dim=2)
     scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
-    visible = (torch.arange(N, device=q.device)[None, :]
-               <= torch.arange(S, device=q.device)[:, None] + (N - S))[None, None]
+    distance = torch.arange(S, device=q.device)[:, None] + (N - S) - torch.arange(N, device=q.device)[None, :]
+    visible = (distance >= 0) & (distance < (_check_window(window) or N + 1))
+    visible = visible[None, None]
     if key_mask is not None:
         visible = visible & key_mask.to(q.device).bool()[:, None, None, :]
     any_visible = visible.any(-1, keepdim=True)
@@ -419,12 +447,13 @@ def static_cases(out_dtypes: tuple[str, ...] | None = None) -> Iterator[StaticCa
                     yield StaticCase(
                         "flash_fwd", _flash_fwd_kernel,
                         dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", o_ptr=f"*{o_dt}", lse_ptr="*fp32",
-                             S="i32", N="i32", H="i32", HKV="i32", D="i32", qk_scale="fp32"),
+                             S="i32", N="i32", H="i32", HKV="i32", D="i32", qk_scale="fp32", WINDOW="i32"),
                         dict(base, BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n), t.fwd_warps, t.stages,
                         tags=tags | ({"out": o_dt} if o_dt != dt else {}))
                 bwd_sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", do_ptr=p, lse_ptr="*fp32",
                                delta_ptr="*fp32")
-                scalars = dict(S="i32", N="i32", H="i32", HKV="i32", D="i32", qk_scale="fp32", sm_scale="fp32")
+                scalars = dict(S="i32", N="i32", H="i32", HKV="i32", D="i32", qk_scale="fp32", sm_scale="fp32",
+                               WINDOW="i32")
                 yield StaticCase("flash_bwd_dq", _flash_bwd_dq_kernel, bwd_sig | dict(dq_ptr=p) | scalars,
                                  dict(base, BLOCK_M=t.dq_m, BLOCK_N=t.dq_n), t.dq_warps, t.stages, tags=tags)
                 yield StaticCase("flash_bwd_dkdv", _flash_bwd_dkdv_kernel,

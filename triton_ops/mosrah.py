@@ -456,7 +456,8 @@ def mosrah(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: torch.Ten
         -1, routing.indices, routing.weights)
     weighted = (z.float() * dense_p[..., None]).to(dtype).reshape(B * N, L * u)
     out = (weighted @ o_proj.to(dtype).reshape(L * u, d)).view(B, N, d)
-    out = torch.where(live[..., None], out, torch.zeros((), dtype=dtype, device=x.device))
+    # under autocast the GEMMs run in the autocast dtype; the output keeps x's dtype
+    out = torch.where(live[..., None], out, torch.zeros((), dtype=out.dtype, device=x.device)).to(dtype)
     return out, routing.load_balance_loss, routing.max_vio
 
 

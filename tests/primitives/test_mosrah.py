@@ -341,6 +341,8 @@ def test_padded_prefill_decodes_like_the_forward_with_live_rank_horizon():
     assert (dec - full).abs().max() <= 1e-5
     raw = _module(L=4, K=2, cache_horizon="raw_slot")
     raw.load_state_dict(m.state_dict())
+    # the public implementation's rule lets live queries see later tokens of a padded chunk (errata E1)
+    assert (_decode(raw, x, 6, mask)[0] - full).abs().max() > 1e-2
     all_live = torch.randn(2, 10, 24)
     torch.testing.assert_close(_decode(raw, all_live, 6)[0], m(all_live).output, atol=1e-5, rtol=0)
 

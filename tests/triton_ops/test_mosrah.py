@@ -194,3 +194,42 @@ def test_compile_fullgraph_smoke():
     x = torch.randn(2, 64, 64, device="cuda")
     compiled = torch.compile(lambda x: m(x).output, fullgraph=True)
     compiled(x).sum().backward()
+
+
+# ----------------------------------------------------------------------------
+# The local sliding-window path: the shared flash core's window option
+# ----------------------------------------------------------------------------
+
+
+@given(B=st.integers(1, 2), S=st.sampled_from([1, 7, 20]), extra=st.sampled_from([0, 5]),
+       heads=st.sampled_from([(2, 1), (2, 2)]), window=st.sampled_from([1, 3, 8, None]), masked=st.booleans(),
+       seed=seeds)
+def test_flash_window_matches_reference(B, S, extra, heads, window, masked, seed):
+    from laminae.triton_ops import _flash
+    from laminae.triton_ops._flash import FlashTiles, flash_attention, flash_attention_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    H, HKV = heads
+    N = S + extra
+    inputs = {"q": torch.randn(B, S, H, 16, generator=gen), "k": torch.randn(B, N, HKV, 16, generator=gen),
+              "v": torch.randn(B, N, HKV, 16, generator=gen),
+              "key_mask": (torch.rand(B, N, generator=gen) > 0.3) if masked else None, "window": window}
+    original = _flash.tiles
+    _flash.tiles = lambda d, dt: FlashTiles(16, 16, 1, 16, 16, 1, 16, 16, 1)
+    try:
+        assert_parity(flash_attention, flash_attention_reference, inputs, ["q", "k", "v"])
+    finally:
+        _flash.tiles = original
+
+
+def test_flash_window_hides_distant_keys_and_rejects_bad_windows():
+    from laminae.primitives import ConfigError
+    from laminae.triton_ops._flash import flash_attention
+
+    q, k, v = torch.randn(1, 12, 1, 16), torch.randn(1, 12, 1, 16), torch.randn(1, 12, 1, 16)
+    out = flash_attention(q, k, v, window=4)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :7], v2[:, :7] = 100.0, 100.0              # keys at distance ≥ 4 from queries 10, 11
+    torch.testing.assert_close(flash_attention(q, k2, v2, window=4)[:, 10:], out[:, 10:], atol=0, rtol=0)
+    with pytest.raises(ConfigError, match="window"):
+        flash_attention(q, k, v, window=0)
