@@ -98,3 +98,26 @@ def test_named_errors():
             lm(torch.zeros(1, 1, dtype=torch.long), cache=cache)
     with pytest.raises(ConfigError, match="plan"):
         DecoderModel(nn.Embedding(5, 4), [], RMSNorm(4), plan=[(0, None)])
+
+
+def test_injection_stays_in_the_stream_without_hyper_connections_and_not_with_them():
+    from laminae.primitives.decoder import BlockContext
+
+    torch.manual_seed(0)
+    x, emb = torch.randn(1, 3, 8), torch.randn(1, 3, 8)
+    ctx = BlockContext(torch.arange(3)[None], shared={"token_embed": emb})
+
+    def block(hc):
+        b = ResidualBlock([[Branch("mlp", SwiGLU(8, 8))]], hyper_connections=["hc"] if hc else None, hc_mult=2,
+                          injection=("ve_gate", "token_embed"))
+        with torch.no_grad():
+            b.ve_gate.fill_(0.5)
+        return b
+
+    plain = block(False)
+    h = x + torch.tanh(torch.tensor(0.5)) * emb
+    torch.testing.assert_close(plain(x, ctx)[0], h + plain.mlp(h))       # the injection stays in x
+    hyper = block(True)
+    streams = expand_streams(x, 2)
+    out = hyper.mlp(hyper.hc.pre(streams) + torch.tanh(torch.tensor(0.5)) * emb)
+    torch.testing.assert_close(hyper(streams, ctx)[0], hyper.hc.post(streams, out))   # only the branch input
