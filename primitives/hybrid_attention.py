@@ -55,7 +55,8 @@ class HybridAttention(nn.Module):
             sparse = cache.sparse or self.sparse_attention.empty_cache(B, dtype=x.dtype)
         past = sparse.live_tokens[:, None] if sparse is not None else 0
         positions = (torch.cumsum(live.long(), 1) + past - 1).clamp_min(0)
-        local, local_cache = self.local_attention(x, positions, live, cache.local if cache is not None else None)
+        local, local_cache = self.local_attention(x, positions, live, cache.local if cache is not None else None,
+                                                  all_live=attention_mask is None)
         out = self.sparse_attention(x, positions, attention_mask, cache=sparse)
         new_cache = HybridAttentionCache(local_cache, out.cache) if cache is not None else None
         return local + out.output, out.load_balance_loss, out.max_vio, new_cache

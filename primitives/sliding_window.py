@@ -10,6 +10,10 @@ Visibility is by live rank, not by position (the public SHRAM implementation;
 mosrah errata E3), so holes in the mask shrink nothing: every live query sees itself
 and the ``window − 1`` previous live tokens.
 
+Backends: ``"triton"`` runs the flash core with a window (``triton_ops/_flash.py``)
+on uncached calls without a mask, where live rank and position coincide; masked or
+cached calls use the PyTorch path on either backend.
+
 Decoding: :class:`SlidingWindowCache` retains the last ``window`` *live* post-RoPE
 keys and values (a fixed ``[B, window, H, u]`` frame, dead slots after them), so
 cached decoding equals the full forward with padding and holes too; each step costs
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._backend import Backend, check_backend, resolve_backend
 from ._validation import check_positive_int
 from .mosrah import rope_rotate
 
@@ -61,12 +66,15 @@ class SlidingWindowAttention(nn.Module):
     """Local sliding-window MHA (``q_proj``/``k_proj``/``v_proj`` ``[H·u, d]``, ``o_proj``
     ``[d, H·u]``, no bias, init N(0, 0.02²)).
 
-    ``forward(x [B, N, d], position_ids [B, N], live [B, N] bool, cache=None)
-    -> (out [B, N, d], cache)``."""
+    ``forward(x [B, N, d], position_ids [B, N], live [B, N] bool, cache=None,
+    all_live=False) -> (out [B, N, d], cache)``; ``all_live`` (no mask was given) lets
+    the Triton backend run the windowed flash kernel."""
 
     def __init__(self, embedding_width: int, num_heads: int, head_dim: int, window_size: int,
-                 rope_theta: float = 10000.0) -> None:
+                 rope_theta: float = 10000.0, backend: Backend = "auto") -> None:
         super().__init__()
+        check_backend(backend)
+        self.backend = backend
         for name, value in (("embedding_width", embedding_width), ("num_heads", num_heads),
                             ("head_dim", head_dim), ("window_size", window_size)):
             check_positive_int(name, value)
@@ -85,7 +93,8 @@ class SlidingWindowAttention(nn.Module):
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, window={self.window}"
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, live: torch.Tensor,
-                cache: SlidingWindowCache | None = None) -> tuple[torch.Tensor, SlidingWindowCache | None]:
+                cache: SlidingWindowCache | None = None,
+                all_live: bool = False) -> tuple[torch.Tensor, SlidingWindowCache | None]:
         B, N, _ = x.shape
         shape = (B, N, self.num_heads, self.head_dim)
         pos = position_ids[..., None].expand(shape[:-1])
@@ -103,7 +112,12 @@ class SlidingWindowAttention(nn.Module):
             value = torch.cat([cache.value.to(v.dtype), v], 1)
             key_live = torch.cat([cache.live, live], 1)
             cache = self._retain(key.detach(), value.detach(), key_live)
-        y = sliding_window_reference(q, key, value, key_live, live, self.window)
+        if cache is None and all_live and resolve_backend(self.backend, x, self.q_proj.weight) == "triton":
+            from laminae.triton_ops._flash import flash_attention
+
+            y = flash_attention(q, k, v, None, window=self.window)
+        else:
+            y = sliding_window_reference(q, key, value, key_live, live, self.window)
         return self.o_proj(y.reshape(B, N, -1)), cache
 
     def _retain(self, key, value, live) -> SlidingWindowCache:

@@ -92,7 +92,7 @@ def _layer(c: ShramConfig, backend: str) -> ResidualBlock:
         return RMSNorm(c.embedding_width, c.rms_norm_eps)
 
     local = SlidingWindowAttention(c.embedding_width, c.num_sliding_window_heads, c.head_dim, c.window_size,
-                                   c.local_rope_theta)
+                                   c.local_rope_theta, backend=backend)
     sparse = MoSRAH(c.embedding_width, c.num_mosrah_heads, c.num_selected_heads, c.head_dim, c.rope_mode,
                     c.mosrah_rope_theta, c.training_sequence_length, c.inference_sequence_length, c.alpha, c.beta,
                     cache_horizon=c.cache_horizon, init="whole_bank", backend=backend)
