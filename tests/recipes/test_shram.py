@@ -201,3 +201,16 @@ def test_local_path_on_the_flash_kernel_matches_the_reference(length, window, mo
     assert calls, "the Triton backend did not run the flash kernel"
     for a, b in zip(*outs):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_tour_recipes_option_prints_the_parity_lines(monkeypatch, capsys):
+    import functools
+
+    import laminae.recipes.parity as parity
+    from laminae.triton_ops import tour
+
+    monkeypatch.setattr(parity, "report", functools.partial(parity.report, backends=("reference",),
+                                                            fixtures=["shram_tiny"]))
+    assert tour.main(["--recipes"]) == 0
+    out = capsys.readouterr().out
+    assert "shram_tiny" in out and "| ok" in out
