@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import Backend, check_backend
+from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, ShapeError
 from ._validation import check_choice, check_keep_mask, check_positive_int, check_tensor
 from .decoder import DecoderCache, LMOutput
@@ -82,6 +82,7 @@ class ElasticAttention(nn.Module):
     def __init__(self, tiers: ElasticTiers, eps: float, **matrix_kwargs) -> None:
         super().__init__()
         self.head_dim, self.eps = tiers.head_dim, eps
+        self.backend = matrix_kwargs.get("backend", "auto")
         for name in ("q_proj", "k_proj", "v_proj", "gate_proj", "o_proj"):
             self.add_module(name, tiers.shared_matrix(f"attn.{name}", **matrix_kwargs))
         self.q_norm = RMSNorm(tiers.hidden_size, eps)
@@ -103,7 +104,13 @@ class ElasticAttention(nn.Module):
             cache = cache.appended(k, v, keep if keep is not None else torch.ones(B, S, dtype=torch.bool,
                                                                                device=x.device), signature)
             k, v, key_mask = cache.key.to(q.dtype), cache.value.to(q.dtype), cache.keep
-        y = sdpa_core(q, k, v, key_mask) * torch.sigmoid(gate)
+        if cache is None and resolve_backend(self.backend, q) == "triton":
+            from laminae.triton_ops._flash import flash_attention
+
+            y = flash_attention(q, k, v, key_mask)
+        else:
+            y = sdpa_core(q, k, v, key_mask)
+        y = y * torch.sigmoid(gate)
         return linear("attn.o_proj", self.o_proj, y.reshape(B, S, n)), cache
 
 
@@ -150,7 +157,8 @@ class ElasticCausalLM(nn.Module):
         init_trainable: train the split matrices' ``init`` too (the seed does).
         base_init: draw every matrix at ``1/sqrt(base fan-in)`` (training from
             scratch); False leaves zeros for a checkpoint to fill.
-        backend: "auto" | "triton" | "reference" for the shared-matrix products.
+        backend: "auto" | "triton" | "reference": the shared-matrix products and, on
+            uncached calls, the causal attention (the flash core).
 
     ``forward(input_ids [B, S], attention_mask=None, cache=None, tier=None) -> LMOutput``
     (fp32 ``logits [B, S, V]``, ``hidden [B, S, n]``); ``tier=None`` is the widest.
@@ -187,7 +195,7 @@ class ElasticCausalLM(nn.Module):
         check_backend(value)
         self._backend = value
         for m in self.modules():
-            if isinstance(m, SharedMatrix):
+            if isinstance(m, (SharedMatrix, ElasticAttention)):
                 m.backend = value
 
     @torch.no_grad()

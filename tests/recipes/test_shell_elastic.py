@@ -192,3 +192,20 @@ def test_tour_parity_line_covers_every_tier():
 
     r = check("elastic_matformer", "reference")
     assert r["ok"] and r["grad_margin"] <= GRAD_ATOL and r["decode"] <= 1e-5
+
+
+def test_triton_backend_attends_with_the_flash_kernel_and_padding(monkeypatch):
+    import laminae.triton_ops._flash as flash
+
+    calls = []
+    real = flash.flash_attention
+    monkeypatch.setattr(flash, "flash_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, inputs, _ = _built("elastic_fully", "triton")
+    ids = inputs["input_ids"]
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[0, :4] = False
+    got = model(ids, keep, tier="medium").logits
+    model.backend = "reference"
+    want = model(ids, keep, tier="medium").logits
+    assert calls, "the Triton backend did not run the flash kernel"
+    torch.testing.assert_close(got[keep], want[keep], atol=1e-5, rtol=0)
