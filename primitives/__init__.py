@@ -20,8 +20,15 @@ from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, sa
 from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
+from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
+from .mom_read import MoMRead, MoMReadState, mom_read_reference
+from .elastic_decoder import ElasticCausalLM
+from .hybrid_attention import HybridAttention, HybridAttentionCache
+from .sliding_window import SlidingWindowAttention, SlidingWindowCache
+from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
                      mosrah_reference)
+from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
 from .stack_memory import (StackMemory, StackMemoryCache, StackMemoryState, stack_memory_reference,
                            stack_scan_reference, stack_step_reference)
@@ -56,7 +63,12 @@ __all__ = [
     "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
     "MoMRead", "MoMReadState", "mom_read_reference",
+    "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
+    "MoMRead", "MoMReadState", "mom_read_reference",
+    "ElasticCausalLM", "HybridAttention", "HybridAttentionCache", "SlidingWindowAttention", "SlidingWindowCache",
+    "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
     "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",
+    "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
     "StackMemory", "StackMemoryCache", "StackMemoryState", "stack_memory_reference", "stack_scan_reference",
     "stack_step_reference",

@@ -62,6 +62,7 @@ class BlockContext:
     depth_sources: list = field(default_factory=list)
     aux_losses: list = field(default_factory=list)
     decoding: bool = False
+    metrics: dict = field(default_factory=dict)      # monitoring values a branch reports (detached)
 
 
 BranchCall = Callable[[nn.Module, torch.Tensor, BlockContext, Any], tuple[torch.Tensor, Any]]
@@ -245,6 +246,7 @@ class DecoderOutput(NamedTuple):
     cache: DecoderCache | None
     aux_loss: torch.Tensor               # summed aux losses (normalised by plan length / layers)
     refine_states: list | None           # normed intermediate refiner states (deep supervision)
+    metrics: dict | None = None          # what branches reported in ctx.metrics (e.g. MoSRAH's MaxVio)
 
 
 class DecoderModel(nn.Module):
@@ -363,7 +365,7 @@ class DecoderModel(nn.Module):
         new_cache = None
         if cache is not None:
             new_cache = DecoderCache(past + S, tuple(new_slots), input_state, self.signature)
-        return DecoderOutput(self.norm(x), new_cache, aux, refine_states)
+        return DecoderOutput(self.norm(x), new_cache, aux, refine_states, ctx.metrics or None)
 
 
 class LMOutput(NamedTuple):
@@ -372,6 +374,7 @@ class LMOutput(NamedTuple):
     aux_loss: torch.Tensor
     cache: DecoderCache | None
     refine_states: list | None
+    metrics: dict | None = None
 
 
 class CausalLM(nn.Module):
@@ -400,4 +403,5 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: DecoderCache | None = None) -> LMOutput:
         out = self.model(input_ids, attention_mask, cache)
-        return LMOutput(self.lm_head(out.hidden), out.hidden, out.aux_loss, out.cache, out.refine_states)
+        return LMOutput(self.lm_head(out.hidden), out.hidden, out.aux_loss, out.cache, out.refine_states,
+                        out.metrics)

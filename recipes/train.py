@@ -1,6 +1,7 @@
 """Train a recipe at a tiny size on byte-level text.
 
     python -m laminae.recipes.train --recipe naylis --steps 200
+    python -m laminae.recipes.train --recipe shell_elastic --tiers low,max   # multi-tier steps
     torchrun --nproc_per_node 2 -m laminae.recipes.train --recipe spikewhale    # DDP, gloo on CPU
     torchrun --nproc_per_node 2 -m laminae.recipes.train --recipe naylis --fsdp  # FSDP2
 
@@ -38,6 +39,12 @@ TINY = {
                        q_lora_rank=32, o_lora_rank=32, max_position_embeddings=256, moe_intermediate_size=64,
                        use_moe=True, moe_layers=[1], n_routed_experts=4, num_experts_per_tok=2,
                        n_shared_experts=1, num_nextn_predict_layers=1, zloss_coef=1e-4),
+    "shell_elastic": dict(vocab_size=256, num_hidden_layers=2, hidden_size=64, head_dim=16, base_width=16,
+                          mlp_base_width=32, widths=(1, 2, 4), tiers=("low", "medium", "max"),
+                          mlp_output_divisor=2.0, max_position_embeddings=256),
+    "shram": dict(vocab_size=256, embedding_width=64, mlp_width=128, num_decoder_layers=2,
+                  num_sliding_window_heads=2, num_mosrah_heads=4, num_selected_heads=2, head_dim=16,
+                  window_size=16, training_sequence_length=256),
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "docs"
 
@@ -96,6 +103,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
     p.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
     p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="override a config field")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--tiers", default=None, metavar="T1,T2",
+                   help="elastic recipes: train these tiers each step (losses summed; default the widest)")
     p.add_argument("--noise-cutoff", type=float, default=0.15, help="fraction of steps with router noise")
     args = p.parse_args(argv)
 
@@ -137,7 +146,8 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
                 if hasattr(module, "noise_scale"):
                     module.noise_scale = 0.0
         rows = global_batch(corpus, step, args.batch_size, args.seq_len, args.seed)[rank::world]
-        value, _ = recipe.loss(model if world == 1 else _Forward(model, lm), rows)
+        extra = {"tiers": args.tiers.split(",")} if args.tiers else {}
+        value, _ = recipe.loss(model if world == 1 else _Forward(model, lm), rows, **extra)
         optimizer.zero_grad(set_to_none=True)
         value.backward()
         optimizer.step()

@@ -2,6 +2,7 @@
 
     python -m laminae.triton_ops.tour            (or the ``laminae-tour`` script)
     laminae-tour --device cuda --dtype bfloat16  (every kernel on a GPU, in bf16)
+    python -m laminae.triton_ops.tour --recipes  every recipe against its seed's fixtures
 
 For each mechanism it runs the kernel and the reference on small random inputs,
 forward and backward with a shared random upstream gradient, and prints the
@@ -33,12 +34,13 @@ MECHANISMS = [
     "engram",
     "memory_caching",
     "mom_read",
-    "shared_matrix",
     "hrm_refinement",
     "spelling_bee",
     "stack_memory",
     "leviathan",
+    "shared_matrix",
     "mosrah",
+    "spelling_bee",
 ]
 
 
@@ -142,7 +144,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="where to run (default: cuda when available, else cpu with the interpreter)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                         help="input dtype; bfloat16/float16 are checked against the fp32 reference (GPU only)")
+    parser.add_argument("--recipes", action="store_true",
+                        help="instead: every recipe's seed-parity line on its fixtures (both backends)")
     args = parser.parse_args(argv)
+    if args.recipes:
+        _prepare_environment()
+        from laminae.recipes.parity import report
+
+        return report()
     unknown = sorted(set(args.mechanisms) - set(MECHANISMS))
     if unknown:
         parser.error(f"unknown mechanisms {unknown}; choose from {MECHANISMS}")

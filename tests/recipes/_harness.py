@@ -21,6 +21,8 @@ FIXTURES = {
     "naylis": "naylis",
     "spikewhale_off": "spikewhale",
     "spikewhale_on": "spikewhale",
+    "shram_tiny": "shram",
+    "shram_tiny_yarn": "shram",
 }
 
 LOGIT_ATOL = 1e-4
@@ -70,6 +72,11 @@ def gradient_errors(mod, model, expected) -> dict[str, float]:
     return errors
 
 
+def tier_gradient_errors(mod, model, expected, tier: str) -> dict[str, float]:
+    """:func:`gradient_errors` for a tiered fixture (``grad.<tier>.<name>``)."""
+    prefix = f"grad.{tier}."
+    tiered = {"grad." + k[len(prefix):]: v for k, v in expected.items() if k.startswith(prefix)}
+    return gradient_errors(mod, model, tiered)
 
 
 def decode_in_steps(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
@@ -84,3 +91,15 @@ def decode_in_steps(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
             steps.append(out.logits)
             cache = out.cache
     return torch.cat(steps, dim=1)
+
+
+def relative_gradient_errors(mod, model, expected, prefix: str = "grad.") -> dict[str, float]:
+    """Per seed parameter ‖g − g_seed‖ / ‖g_seed‖: catches a gradient that is off by a
+    small factor even where the gradients are too small for the absolute tolerance."""
+    names = [k[len(prefix):] for k in expected if k.startswith(prefix)]
+    out = {}
+    for name, (param, row) in mod.reference_parameters(model, names).items():
+        got = param.grad if row is None else param.grad[row]
+        want = expected[prefix + name]
+        out[name] = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    return out

@@ -1,0 +1,216 @@
+"""SHRAM beyond the shared seed-parity harness: the loss parts and MaxVio against the
+seed, padding and mask holes through the cache (errata E1/E3 resolutions), the local
+window itself, semantic positions, tied embeddings and the config rules."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from laminae.primitives import ConfigError
+from laminae.primitives.decoder import DecoderCache
+from laminae.primitives.sliding_window import SlidingWindowAttention, SlidingWindowCache
+from laminae.recipes import shram
+
+from ._harness import LOGIT_ATOL, _files, build_loaded, relative_gradient_errors
+
+TINY = dict(vocab_size=64, embedding_width=32, mlp_width=48, num_decoder_layers=2, num_sliding_window_heads=2,
+            num_mosrah_heads=4, num_selected_heads=2, head_dim=8, window_size=3, training_sequence_length=16,
+            inference_sequence_length=64, beta=8.0)
+
+
+@pytest.mark.parametrize("fixture", ["shram_tiny", "shram_tiny_yarn"])
+def test_loss_parts_and_max_vio_match_the_seed(fixture):
+    mod, model, inputs, expected = build_loaded(fixture)
+    loss, out = mod.loss(model, inputs["input_ids"], inputs["labels"])
+    assert abs(out.aux_loss.item() - expected["load_balance_loss"].item()) <= LOGIT_ATOL
+    assert abs(out.metrics["max_vio"].item() - expected["max_vio"].item()) <= LOGIT_ATOL
+    ce = loss - 0.01 * out.aux_loss
+    assert abs(ce.item() - expected["ce_loss"].item()) <= LOGIT_ATOL
+    loss.backward()
+    rel = relative_gradient_errors(mod, model, expected)
+    assert max(rel.values()) < 1e-4, f"{max(rel, key=rel.get)} off by {max(rel.values()):.1e}"
+
+
+def _decode(model, ids, keep, prefill):
+    with torch.no_grad():
+        out = model(ids[:, :prefill], keep[:, :prefill], cache=DecoderCache())
+        steps, cache = [out.logits], out.cache
+        for t in range(prefill, ids.shape[1]):
+            out = model(ids[:, t:t + 1], keep[:, t:t + 1], cache=cache)
+            steps.append(out.logits)
+            cache = out.cache
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize("fixture", ["shram_tiny", "shram_tiny_yarn"])
+def test_left_padding_and_holes_decode_like_the_full_forward(fixture):
+    _, model, inputs, _ = build_loaded(fixture)
+    ids = inputs["input_ids"]
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[0, :3] = False          # left padding
+    keep[1, 4:6] = False         # a hole inside the prefill
+    keep[1, 8] = False           # a hole among the steps
+    with torch.no_grad():
+        full = model(ids, keep).logits
+    inc = _decode(model, ids, keep, 6)
+    torch.testing.assert_close(inc[keep], full[keep], atol=1e-5, rtol=0)
+
+
+def test_left_padding_gives_kept_tokens_their_unpadded_positions():
+    _, model, inputs, _ = build_loaded("shram_tiny_yarn")
+    ids = inputs["input_ids"][:1, :8]
+    padded = torch.cat([torch.full((1, 3), 5, dtype=ids.dtype), ids], 1)
+    keep = torch.cat([torch.zeros(1, 3, dtype=torch.bool), torch.ones(1, 8, dtype=torch.bool)], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded, keep).logits[:, 3:], model(ids).logits, atol=1e-5, rtol=0)
+
+
+def _reference_window(layer, x, live):
+    """Brute force over live ranks, one query at a time."""
+    B, N, _ = x.shape
+    pos = (torch.cumsum(live.long(), 1) - 1).clamp_min(0)
+    out = torch.zeros(B, N, x.shape[-1])
+    for b in range(B):
+        idx = live[b].nonzero().flatten()
+        for r, n in enumerate(idx.tolist()):
+            keys = idx[max(0, r - layer.window + 1):r + 1]
+            y, _ = layer(x[b:b + 1, keys], pos[b:b + 1, keys], torch.ones(1, len(keys), dtype=torch.bool))
+            out[b, n] = y[0, -1]
+    return out
+
+
+def test_sliding_window_sees_itself_and_the_previous_window_minus_one_live_tokens():
+    torch.manual_seed(0)
+    layer = SlidingWindowAttention(16, 2, 8, window_size=3)
+    x = torch.randn(2, 9, 16)
+    live = torch.ones(2, 9, dtype=torch.bool)
+    live[0, :2] = False
+    live[1, 3:5] = False
+    got, _ = layer(x, (torch.cumsum(live.long(), 1) - 1).clamp_min(0), live)
+    want = _reference_window(layer, x, live)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    assert got[~live].abs().max() == 0
+    # decoding token by token keeps exactly the last `window` live entries
+    cache, steps = SlidingWindowCache(), []
+    pos = (torch.cumsum(live.long(), 1) - 1).clamp_min(0)
+    for t in range(9):
+        y, cache = layer(x[:, t:t + 1], pos[:, t:t + 1], live[:, t:t + 1], cache)
+        steps.append(y)
+    torch.testing.assert_close(torch.cat(steps, 1), got, atol=1e-6, rtol=0)
+    assert cache.key.shape[1] == 3
+
+
+def test_padding_nan_never_reaches_kept_positions():
+    torch.manual_seed(0)
+    model = shram.build(shram.CONFIG(**TINY), backend="reference").eval()
+    ids = torch.randint(0, 64, (2, 7))
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[0, :2] = False
+    attn = model.model.layers[0].attention
+    x = torch.randn(2, 7, 32)
+    x_nan = torch.where(keep[..., None], x, torch.full_like(x, float("nan")))
+    with torch.no_grad():
+        a = attn(x, keep)[0]
+        b = attn(x_nan, keep)[0]
+    torch.testing.assert_close(b[keep], a[keep], atol=0, rtol=0)
+    assert torch.isfinite(model(ids, keep).logits).all()
+
+
+@pytest.mark.parametrize("rope_mode", ["main_sequence", "semantic_sequence"])
+def test_both_position_modes_train_and_decode(rope_mode):
+    torch.manual_seed(0)
+    model = shram.build(shram.CONFIG(**TINY, rope_mode=rope_mode), backend="reference")
+    ids = torch.randint(0, 64, (2, 9))
+    loss, out = shram.loss(model, ids)
+    loss.backward()
+    assert torch.isfinite(loss) and out.metrics["max_vio"].requires_grad is False
+    bias = model.model.layers[0].attention.sparse_attention.router.expert_bias
+    assert bias.grad is not None and bias.grad.abs().max() > 0
+    model.eval()
+    with torch.no_grad():
+        full = model(ids).logits
+    inc = _decode(model, ids, torch.ones_like(ids, dtype=torch.bool), 4)
+    torch.testing.assert_close(inc, full, atol=1e-5, rtol=0)
+
+
+def test_tied_embeddings_load_from_one_tensor():
+    seed, weights, inputs, _ = _files("shram_tiny")
+    config = shram.CONFIG.from_seed_config(dict(seed, tie_word_embeddings=True))
+    model = shram.build(config, backend="reference")
+    tied = {k: v for k, v in weights.items() if k != "lm_head.weight"}
+    shram.load_reference_state_dict(model, tied)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    torch.testing.assert_close(model.lm_head.weight, weights["embed_tokens.weight"])
+
+
+def test_seed_config_aliases_and_errors():
+    seed = dict(_files("shram_tiny")[0])
+    config = shram.CONFIG.from_seed_config(dict(seed, hidden_size=999, num_hidden_layers=7))
+    assert config.embedding_width == seed["embedding_width"] and config.num_decoder_layers == 2   # E9
+    renamed = {k: v for k, v in seed.items() if k != "mlp_width"}
+    assert shram.CONFIG.from_seed_config(dict(renamed, intermediate_size=40)).mlp_width == 40
+    with pytest.raises(ConfigError, match="rope_mode"):
+        shram.CONFIG.from_seed_config(dict(seed, rope_mode="absolute"))
+    with pytest.raises(ConfigError, match="attention_dropout"):
+        shram.CONFIG.from_seed_config(dict(seed, attention_dropout=0.1))
+    with pytest.raises(ConfigError, match="num_selected_heads"):
+        shram.build(dataclasses.replace(shram.CONFIG(**TINY), num_selected_heads=5))
+
+
+def test_cache_of_another_model_is_rejected_and_reset_empties_it():
+    _, model, inputs, _ = build_loaded("shram_tiny")
+    other = shram.build(shram.CONFIG(**TINY), backend="reference")
+    with torch.no_grad():
+        cache = model(inputs["input_ids"][:, :3], cache=DecoderCache()).cache
+        with pytest.raises(ConfigError, match="cache"):
+            other(inputs["input_ids"][:, 3:4] % 64, cache=cache)
+    cache.reset()
+    assert cache.length == 0 and cache.slots is None
+
+
+def test_tour_parity_line():
+    from laminae.recipes.parity import check
+
+    r = check("shram_tiny_yarn", "reference")
+    assert r["ok"] and r["logits"] <= LOGIT_ATOL and r["decode"] <= 1e-5
+
+
+@pytest.mark.parametrize("length,window", [(1, 3), (7, 3), (9, 16)])
+def test_local_path_on_the_flash_kernel_matches_the_reference(length, window, monkeypatch):
+    import laminae.triton_ops._flash as flash
+
+    calls = []
+    real = flash.flash_attention
+    monkeypatch.setattr(flash, "flash_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    ref = SlidingWindowAttention(16, 2, 8, window_size=window, backend="reference")
+    tri = SlidingWindowAttention(16, 2, 8, window_size=window, backend="triton")
+    tri.load_state_dict(ref.state_dict())
+    x = torch.randn(2, length, 16, requires_grad=True)
+    pos = torch.arange(length).expand(2, length)
+    live = torch.ones(2, length, dtype=torch.bool)
+    grad = torch.randn(2, length, 16)
+    outs = []
+    for layer in (ref, tri):
+        x.grad = None
+        y, _ = layer(x, pos, live, all_live=True)
+        y.backward(grad)
+        outs.append((y.detach(), x.grad.clone(), layer.q_proj.weight.grad.clone(), layer.v_proj.weight.grad.clone()))
+    assert calls, "the Triton backend did not run the flash kernel"
+    for a, b in zip(*outs):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_tour_recipes_option_prints_the_parity_lines(monkeypatch, capsys):
+    import functools
+
+    import laminae.recipes.parity as parity
+    from laminae.triton_ops import tour
+
+    monkeypatch.setattr(parity, "report", functools.partial(parity.report, backends=("reference",),
+                                                            fixtures=["shram_tiny"]))
+    assert tour.main(["--recipes"]) == 0
+    out = capsys.readouterr().out
+    assert "shram_tiny" in out and "| ok" in out
