@@ -11,6 +11,7 @@ from .engram import (EngramLayerFusion, EngramModule, EngramState, MultiHeadHash
                      engram_fusion_gate_reference, engram_lookup_reference)
 from .hrm_refinement import HRMRefinementBlock, HRMRMSNorm, hrm_refinement_reference
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
+from .leviathan import LeviathanGenerator, TokenIdError, leviathan_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
@@ -38,6 +39,7 @@ __all__ = [
     "engram_fusion_gate_reference", "engram_lookup_reference",
     "HRMRefinementBlock", "HRMRMSNorm", "hrm_refinement_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
+    "LeviathanGenerator", "TokenIdError", "leviathan_reference",
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
     "MoMRead", "MoMReadState", "mom_read_reference",

@@ -21,6 +21,8 @@ _EXPORTS = {
     "flash_attention": "_flash",
     "hrm_refinement": "hrm_refinement",
     "laurel": "laurel",
+    "leviathan": "leviathan",
+    "leviathan_spline": "leviathan",
     "lucid_attention": "lucid_attention",
     "memory_caching": "memory_caching",
     "mom_read": "mom_read",

@@ -34,6 +34,7 @@ MECHANISMS = [
     "mom_read",
     "hrm_refinement",
     "spelling_bee",
+    "leviathan",
 ]
 
 

@@ -1,0 +1,189 @@
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from laminae.primitives import BackendUnavailableError, ConfigError, DTypeError
+from laminae.primitives.leviathan import LeviathanGenerator, leviathan_reference
+from laminae.triton_ops.leviathan import distinct_ids, leviathan, leviathan_spline
+
+from .._helpers import DEVICE, assert_parity, seeds
+
+NAMES = ["codebooks", "head_proj_weight", "head_norm_weight", "head_norm_bias", "head_spline_delta", "head_out_weight"]
+
+
+def _inputs(vocab, hidden, seed_dim, modes, knots, coords, rank, shape, *, id_pool=None, cb_scale=1.0,
+            bias_scale=0.5, delta_std=0.1, seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    gen = LeviathanGenerator(vocab, hidden, seed_dim, modes, knots, 2, coords, rank)
+    with torch.no_grad():
+        gen.codebooks.normal_(0.0, cb_scale)
+        gen.head_proj_weight.normal_(0.0, seed_dim**-0.5)
+        gen.head_norm_weight.normal_(1.0, 0.2)
+        gen.head_norm_bias.normal_(0.0, bias_scale)
+        gen.head_spline_delta.normal_(0.0, delta_std)
+        gen.head_out_weight.normal_(0.0, rank**-0.5)
+    pool = torch.randperm(vocab)[: id_pool or vocab]
+    ids = pool[torch.randint(0, len(pool), shape)]
+    params = {k: p.detach().to(DEVICE, dtype) for k, p in zip(NAMES, gen._params())}
+    return {"input_ids": ids.to(DEVICE), **params, "knot_grid": gen.knot_grid.to(DEVICE)}
+
+
+@given(batch=st.integers(1, 3), seq=st.integers(1, 20), vocab=st.integers(2, 400), coords=st.integers(1, 3),
+       seed_dim=st.integers(1, 12), modes=st.integers(1, 2), knots=st.integers(2, 32),
+       rank=st.sampled_from([1, 3, 16, 17, 40, 64, 100, 128]), hidden=st.integers(1, 20),
+       unique_ids=st.booleans(), id_pool=st.sampled_from([None, 1, 3]),
+       cb_scale=st.sampled_from([0.05, 1.0, 4.0]), bias_scale=st.sampled_from([0.0, 0.5, 3.0]),
+       delta_std=st.sampled_from([0.01, 0.1, 0.7]), seed=seeds)
+def test_kernel_matches_reference_fp32(batch, seq, vocab, coords, seed_dim, modes, knots, rank, hidden, unique_ids,
+                                       id_pool, cb_scale, bias_scale, delta_std, seed):
+    inp = _inputs(vocab, hidden, seed_dim, modes, knots, coords, rank, (batch, seq), id_pool=id_pool,
+                  cb_scale=cb_scale, bias_scale=bias_scale, delta_std=delta_std, seed=seed)
+    op = lambda **kw: leviathan(**kw, unique_ids=unique_ids)  # noqa: E731
+    assert_parity(op, leviathan_reference, inp, NAMES)
+
+
+def test_kernel_matches_reference_with_two_layernorm_chunks():
+    # d = 70 spans two BLOCK_D chunks of the LayerNorm passes; NeoLLM's V, k, κ and r
+    inp = _inputs(64402, 24, 70, 1, 16, 3, 64, (1, 3), cb_scale=1.0, delta_std=0.1)
+    assert_parity(leviathan, leviathan_reference, inp, NAMES)
+
+
+def test_kernel_matches_reference_at_the_ends_of_the_knot_range():
+    # z̃ near 0 and 1 (the basis normaliser < 1 there) with κ = 5, padded to a 16-wide tile
+    inp = _inputs(40, 8, 6, 2, 5, 2, 7, (2, 9), delta_std=0.3)
+    inp["head_norm_bias"] = torch.tensor([5.0, -5.0, 6.0, -6.0, 0.0, 4.0], device=DEVICE).repeat(2, 1)
+    assert_parity(leviathan, leviathan_reference, inp, NAMES)
+
+
+def test_distinct_ids_is_a_sync_free_unique():
+    flat = torch.tensor([5, 3, 5, 9, 3, 3, 0], device=DEVICE)
+    uniq, slot, count = distinct_ids(flat, 7)
+    assert uniq.shape == (7,) and count.tolist() == [4]
+    assert uniq[:4].tolist() == [0, 3, 5, 9] and torch.equal(uniq[slot], flat)
+    assert torch.all(uniq[4:] == 0)
+
+
+def test_unique_and_per_token_evaluation_agree():
+    inp = _inputs(50, 12, 8, 2, 16, 2, 16, (3, 30), id_pool=7)
+    a = leviathan(**inp, unique_ids=True)
+    b = leviathan(**inp, unique_ids=False)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    # 90 tokens, 7 distinct ids: every row of one id is the same row of the table
+    ids = inp["input_ids"].reshape(-1)
+    rows = a.reshape(90, -1)
+    for i in ids.unique():
+        same = rows[ids == i]
+        assert torch.equal(same, same[:1].expand_as(same))
+
+
+def test_backward_is_deterministic():
+    inp = _inputs(80, 10, 6, 2, 8, 2, 20, (2, 40), id_pool=20)
+    grads = []
+    for _ in range(2):
+        params = {k: v.clone().requires_grad_() if k in NAMES else v for k, v in inp.items()}
+        out = leviathan(**params)
+        grads.append(torch.autograd.grad(out, [params[k] for k in NAMES], torch.ones_like(out)))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_module_backends_agree_with_padding_mask():
+    torch.manual_seed(0)
+    gen = LeviathanGenerator(120, 16, 8, 2, 16, 2, 2, 24).to(DEVICE)
+    with torch.no_grad():
+        gen.head_norm_bias.normal_(0.0, 0.5)
+    ids = torch.randint(0, 120, (3, 11), device=DEVICE)
+    ids[0, 7:] = -100                                 # padding ids that are not even valid
+    keep = ids >= 0
+    res = []
+    for backend in ("reference", "triton"):
+        gen.backend = backend
+        out = gen(ids, attention_mask=keep)
+        res.append((out, torch.autograd.grad(out.square().sum(), list(gen.parameters()))))
+    torch.testing.assert_close(res[0][0], res[1][0], atol=2e-5, rtol=2e-4)
+    for a, b in zip(res[0][1], res[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+    assert torch.all(res[1][0][0, 7:] == 0)
+
+
+def test_kernel_handles_empty_input():
+    inp = _inputs(30, 5, 4, 2, 8, 2, 3, (2, 0))
+    assert leviathan(**inp).shape == (2, 0, 5)
+
+
+def test_triton_rejects_float64_and_unsupported_sizes():
+    inp = _inputs(30, 5, 4, 2, 8, 2, 3, (4,), dtype=torch.float64)
+    with pytest.raises(DTypeError):
+        leviathan(**inp)
+    gen = LeviathanGenerator(30, 5, 4, 2, 40, 2, 2, 3, backend="triton").to(DEVICE)
+    with pytest.raises(ConfigError, match="num_knots=40"):
+        gen(torch.tensor([1, 2], device=DEVICE))
+    gen = LeviathanGenerator(30, 5, 4, 2, 8, 2, 2, 3, backend="triton", dtype=torch.float64).to(DEVICE)
+    with pytest.raises(ConfigError, match="fp64"):
+        gen(torch.tensor([1, 2], device=DEVICE))
+
+
+def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
+    if DEVICE.type == "cuda":
+        pytest.skip("CPU-only behaviour")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    gen = LeviathanGenerator(30, 5, 4, 2, 8, 2, 2, 3, backend="triton")
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
+        gen(torch.tensor([1, 2]))
+
+
+def _spline_args(n=9, modes=2, seed_dim=5, knots=8, rank=6, device=DEVICE):
+    torch.manual_seed(0)
+    return (torch.randn(modes, seed_dim, n, device=device, requires_grad=True),
+            torch.randn(modes, seed_dim, device=device, requires_grad=True),
+            torch.randn(modes, seed_dim, device=device, requires_grad=True),
+            (0.1 * torch.randn(modes, seed_dim, knots, rank, device=device)).requires_grad_(),
+            torch.linspace(0, 1, knots, device=device), torch.tensor([n - 2], dtype=torch.int32, device=device))
+
+
+def test_rows_past_the_distinct_count_are_zero():
+    m, mean, rstd = leviathan_spline(*_spline_args())
+    assert torch.all(m[-2:] == 0) and torch.all(m[:-2] != 0)
+    assert torch.all(mean[:, -2:] == 0) and torch.all(rstd[:, -2:] == 0)
+
+
+def test_opcheck_schema_and_autograd_registration():
+    # The fake-tensor and AOT checks would run the interpreter on meta tensors; they
+    # run in the GPU-marked test below.
+    torch.library.opcheck(leviathan_spline, _spline_args(), test_utils=("test_schema", "test_autograd_registration"))
+
+
+@pytest.mark.gpu
+def test_opcheck_full_gpu():
+    args = _spline_args(n=100, modes=8, seed_dim=128, knots=16, rank=64, device="cuda")
+    torch.library.opcheck(leviathan_spline, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_matches_reference_low_precision(dtype):
+    inp = _inputs(64402, 512, 128, 8, 16, 3, 64, (4, 256), cb_scale=0.02, dtype=dtype)
+    inp["head_proj_weight"] = inp["head_proj_weight"] * (0.02 * 128**0.5)    # NeoLLM init scale
+    assert_parity(leviathan, leviathan_reference, inp, NAMES, dtype=dtype)
+
+
+@pytest.mark.gpu
+def test_bf16_cosine_against_fp32_truth():
+    gen = LeviathanGenerator().cuda()
+    ids = torch.randint(0, 64402, (8, 512), device="cuda")
+    truth = leviathan_reference(ids, *gen._params(), gen.knot_grid)
+    low = gen.to(torch.bfloat16)
+    out = leviathan(ids, *low._params(), low.knot_grid)
+    cos = torch.nn.functional.cosine_similarity(out.float(), truth.float(), dim=-1)
+    assert float(cos.min()) > 0.9999
+
+
+@pytest.mark.gpu
+def test_compile_fullgraph_smoke():
+    gen = LeviathanGenerator(backend="triton").cuda()
+    ids = torch.randint(0, 64402, (4, 128), device="cuda")
+    compiled = torch.compile(gen, fullgraph=True)
+    out = compiled(ids)
+    out.float().square().mean().backward()
+    torch.testing.assert_close(out, gen(ids))
