@@ -108,7 +108,7 @@ def spelling_bee_reference(
 
 def _gpt2_unicode_to_byte() -> dict[str, int]:
     """Inverse of GPT-2's byte→unicode alphabet used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -275,6 +275,14 @@ class SpellingBeeEmbedding(nn.Module):
         self.baked = spelling_vectors(ids, weight, self.byte_ids, self.byte_len, **self._options()).to(weight.dtype)
         return self.baked
 
+    @torch.no_grad()
+    def fold_into_embedding(self, embedding_weight: torch.Tensor) -> torch.Tensor:
+        """For a dense token table E [V, d]: return E' = ½·(E + S), so inference is one
+        lookup ``E'[ids]`` and this module can be dropped from the inference graph."""
+        check_tensor("embedding_weight", embedding_weight, shape=(self.vocab_size, self.hidden_size))
+        baked = self.baked if self.baked is not None else self.bake_inference_table()
+        return (0.5 * (embedding_weight.float() + baked.float())).to(embedding_weight.dtype)
+
     def unbake(self) -> None:
         self.baked = None
 
@@ -318,7 +326,8 @@ class SpellingBeeEmbedding(nn.Module):
             from laminae.triton_ops.spelling_bee import spelling_bee
 
             if e_tok.dtype == torch.float64:
-                raise DTypeError("the Triton Spelling Bee supports fp32/bf16/fp16, got float64; use backend='reference'")
+                raise DTypeError("the Triton Spelling Bee supports fp32/bf16/fp16, got float64; "
+                                 "use backend='reference'")
             with torch.autocast(device_type=e_tok.device.type, enabled=False):
                 return spelling_bee(*args, **self._options())
         return spelling_bee_reference(*args, **self._options())

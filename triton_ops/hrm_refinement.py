@@ -279,7 +279,8 @@ def hrm_refinement(
         raise DTypeError(f"Triton HRM refinement supports fp32/bf16/fp16 inputs, got {x.dtype}")
     d = x.shape[-1]
     if d > MAX_HIDDEN:
-        raise ConfigError(f"Triton HRM refinement holds a row in registers: hidden size must be <= {MAX_HIDDEN}, got {d}")
+        raise ConfigError(f"Triton HRM refinement holds a row in registers: hidden size must be "
+                          f"<= {MAX_HIDDEN}, got {d}")
     if gate.dim() != 1 or gate.shape[0] < 1:
         raise ShapeError(f"`gate` must have shape [steps] with steps >= 1, got {tuple(gate.shape)}")
     shape = x.shape

@@ -173,3 +173,11 @@ def test_bad_inputs_raise():
         block(torch.randn(2, 8, device="meta"))
     with pytest.raises(TypeError):
         block([[0.0] * 8])
+
+
+def test_token_by_token_equals_full_sequence():
+    """Decoding needs no state: the block applied to each new token alone gives the full forward."""
+    block = _randomised(HRMRefinementBlock(16, 4, 2, backend="reference"))
+    x = torch.randn(2, 9, 16)
+    steps = torch.cat([block(x[:, t:t + 1]) for t in range(9)], dim=1)
+    torch.testing.assert_close(steps, block(x))

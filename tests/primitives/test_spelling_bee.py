@@ -137,6 +137,16 @@ def test_bake_matches_unbaked_and_is_dropped_by_train():
         bee(ids, e_tok)
 
 
+def test_fold_into_dense_embedding_is_one_lookup():
+    bee = _module().eval()
+    table = torch.randn(12, 8)
+    ids = torch.tensor([[1, 4, 11, 3]])
+    folded = bee.fold_into_embedding(table)
+    torch.testing.assert_close(folded[ids], bee(ids, table[ids]))
+    with pytest.raises(ShapeError, match="embedding_weight"):
+        bee.fold_into_embedding(torch.randn(11, 8))
+
+
 def test_state_dict_roundtrip_keeps_table():
     bee = _module()
     other = SpellingBeeEmbedding(12, 8, backend="reference")

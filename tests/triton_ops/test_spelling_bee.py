@@ -66,6 +66,18 @@ def test_many_slices_and_long_rows(monkeypatch):
     assert_parity(spelling_bee, spelling_bee_reference, inp, GRADS)
 
 
+def test_unchecked_out_of_range_ids_read_nothing():
+    """With the id check skipped (the GPU default), the kernel never reads outside the
+    tables: an id outside [0, V) gets s = 0 and its gradient reaches no byte row."""
+    inp = _inputs((4,), 5, 8, 1.0, 0)
+    inp["ids"] = torch.tensor([-1, 5, 2, 70000], device=DEVICE)
+    inp["byte_embed"].requires_grad_()
+    out = spelling_bee(**inp)
+    torch.testing.assert_close(out[[0, 1, 3]], 0.5 * inp["e_tok"][[0, 1, 3]])
+    (grad,) = torch.autograd.grad(out[[0, 1, 3]].sum(), inp["byte_embed"])
+    assert torch.equal(grad, torch.zeros_like(grad))
+
+
 def test_backward_is_bitwise_deterministic():
     inp = _inputs((2, 50), 20, 48, 1.0, 3, alphabet=4)
     grads = []
