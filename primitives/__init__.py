@@ -17,6 +17,8 @@ from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
 from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
+from .stack_memory import (StackMemory, StackMemoryCache, StackMemoryState, stack_memory_reference,
+                           stack_scan_reference, stack_step_reference)
 from .xsa import ExclusiveSelfAttention, xsa_reference
 
 from .decoder import (BRANCH_CALLS, BlockContext, Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
@@ -45,6 +47,8 @@ __all__ = [
     "MoMRead", "MoMReadState", "mom_read_reference",
     "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
+    "StackMemory", "StackMemoryCache", "StackMemoryState", "stack_memory_reference", "stack_scan_reference",
+    "stack_step_reference",
     "ExclusiveSelfAttention", "xsa_reference",
     "BRANCH_CALLS", "BlockContext", "Branch", "CausalLM", "DecoderCache", "DecoderModel", "ResidualBlock", "layer_plan",
     "AttentionOutput", "GroupedQueryAttention", "KVCache", "sdpa_core",

@@ -28,6 +28,9 @@ _EXPORTS = {
     "mom_read": "mom_read",
     "siamese_boundary": "siamese_norm",
     "spelling_bee": "spelling_bee",
+    "stack_memory": "stack_memory",
+    "stack_scan": "stack_memory",
+    "stack_step": "stack_memory",
     "xsa": "xsa",
 }
 

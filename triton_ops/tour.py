@@ -35,6 +35,7 @@ MECHANISMS = [
     "hrm_refinement",
     "spelling_bee",
     "leviathan",
+    "stack_memory",
 ]
 
 
