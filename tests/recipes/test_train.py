@@ -14,7 +14,9 @@ from laminae.recipes.train import TINY, main
 SMALL = ["--batch-size", "4", "--seq-len", "32", "--log-every", "1000"]
 # no Gumbel noise and no aux loss, so the objective is a per-token mean that sharding preserves
 DETERMINISTIC = {"naylis": ["--set", "mom_noise_scale=0", "--set", "mom_aux_weight=0"],
-                 "spikewhale": ["--set", "moe_aux_loss_coef=0"]}
+                 "spikewhale": ["--set", "moe_aux_loss_coef=0"],
+                 # MiLe normalises its weights by the mean over a rank's tokens
+                 "neollm": ["--set", "use_mile_loss=False"]}
 
 
 @pytest.mark.parametrize("recipe", sorted(TINY))
