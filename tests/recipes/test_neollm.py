@@ -124,10 +124,11 @@ def test_parameter_counts_match_the_seed():
     assert not model.tie_word_embeddings
 
 
-def test_backends_agree():
+@pytest.mark.parametrize("extra", [ALL_SIAMESE, ALL_LAUREL], ids=["siamese", "laurel"])
+def test_backends_agree(extra):
     torch.manual_seed(0)
-    ref = perturbed(make("reference", **ALL_SIAMESE, use_xsa=True))
-    tri = make("triton", **ALL_SIAMESE, use_xsa=True)
+    ref = perturbed(make("reference", **extra))
+    tri = make("triton", **extra)
     tri.load_state_dict(ref.state_dict())
     ids = torch.randint(64, (2, 5))
     lr, out_r = nl.loss(ref, ids)
@@ -156,18 +157,19 @@ def test_loss_terms():
     base, out = nl.loss(model, ids)
     ce = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     torch.testing.assert_close(base, ce)
-    mu = nl.loss(dataclasses.replace(model.config, use_mu_loss=True) and _with(model, use_mu_loss=True), ids)[0]
+    model.config = dataclasses.replace(model.config, use_mu_loss=True)
+    mu = nl.loss(model, ids)[0]
     torch.testing.assert_close(mu - base, 1e-4 * model.lm_head.weight.mean(0).pow(2).sum())
+    # right padding: the loss of the kept prefix, whatever the padded ids are
+    padded = torch.cat([ids, torch.randint(64, (2, 3))], 1)
+    keep = torch.cat([torch.ones(2, 5), torch.zeros(2, 3)], 1).bool()
+    torch.testing.assert_close(nl.loss(model, padded, attention_mask=keep)[0], mu)
     # MiLe weights: mean 1 over valid labels, larger where the prediction is less certain
     logits = torch.tensor([[[5.0, 0, 0], [0, 0, 0], [1, 1, 1]]])
     labels = torch.tensor([[0, 1, -100]])
     w = nl.mile_weights(logits, labels, 1.0)
     assert w[0, 2] == 0 and torch.isclose(w[0, :2].mean(), torch.tensor(1.0)) and w[0, 1] > w[0, 0]
 
-
-def _with(model, **changes):
-    model.config = dataclasses.replace(model.config, **changes)
-    return model
 
 
 def test_config_rules():
