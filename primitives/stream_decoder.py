@@ -141,7 +141,8 @@ class StreamDecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         kinds = {type(layer) for layer in self.layers}
         if len(kinds) != 1 or not kinds <= {SiameseNormLayer, PreNormLayer}:
-            raise ConfigError(f"`layers` must be all SiameseNormLayer or all PreNormLayer, got {sorted(k.__name__ for k in kinds)}")
+            raise ConfigError("`layers` must be all SiameseNormLayer or all PreNormLayer, "
+                              f"got {sorted(k.__name__ for k in kinds)}")
         self.two_streams = kinds == {SiameseNormLayer}
         if self.two_streams != isinstance(final, SiameseNormFinal):
             raise ConfigError("`final` must be a SiameseNormFinal exactly when the layers are SiameseNormLayer")
