@@ -44,6 +44,7 @@ from .mtp import MTPHead, mtp_loss
 from .norms import RMSNorm, rms_norm
 from .rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from .swiglu import SwiGLU
+from .stream_decoder import AttentionSublayer, PreNormLayer, ScaledSublayer, StreamDecoderModel
 __all__ = [
     "BACKENDS", "resolve_backend", "set_backend", "use_backend",
     "AppendBuffer", "DecodingCache", "KVCache",
@@ -79,4 +80,5 @@ __all__ = [
     "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
     "GroupedSwiGLU", "SparseMoE", "MTPHead", "mtp_loss", "RMSNorm", "rms_norm",
     "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "SwiGLU",
+    "AttentionSublayer", "PreNormLayer", "ScaledSublayer", "StreamDecoderModel",
 ]

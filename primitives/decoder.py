@@ -389,7 +389,8 @@ class CausalLM(nn.Module):
                  initializer_range: float | None = None) -> None:
         super().__init__()
         self.model = model
-        hidden = model.embed_tokens.embedding_dim
+        # a model whose input is not an nn.Embedding (a token generator) states its width
+        hidden = getattr(model, "hidden_size", None) or model.embed_tokens.embedding_dim
         self.lm_head = nn.Linear(hidden, vocab_size, bias=False)
         if initializer_range is not None:
             nn.init.normal_(self.lm_head.weight, std=initializer_range)

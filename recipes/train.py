@@ -45,6 +45,12 @@ TINY = {
     "shram": dict(vocab_size=256, embedding_width=64, mlp_width=128, num_decoder_layers=2,
                   num_sliding_window_heads=2, num_mosrah_heads=4, num_selected_heads=2, head_dim=16,
                   window_size=16, training_sequence_length=256),
+    "neollm": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, hidden_act="silu", generator_d_seed=16, generator_num_modes=2,
+                   generator_num_knots=8, generator_krank=8, attention_dropout=0.0, dropout_rate=0.0,
+                   use_stack_memory=True, use_lucid_attention=True, use_momentum_attention=False,
+                   use_learnable_multipliers=False, use_jtok=False, use_hadamard_o_proj=False, use_repo=False,
+                   use_repo_grape=False, use_tweo=False, use_nitp=False),
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[1] / "docs"
 

@@ -36,11 +36,11 @@ MECHANISMS = [
     "mom_read",
     "hrm_refinement",
     "spelling_bee",
-    "stack_memory",
     "leviathan",
     "shared_matrix",
     "mosrah",
     "spelling_bee",
+    "stack_memory",
 ]
 
 

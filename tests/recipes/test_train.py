@@ -16,7 +16,9 @@ SMALL = ["--batch-size", "4", "--seq-len", "32", "--log-every", "1000"]
 DETERMINISTIC = {"naylis": ["--set", "mom_noise_scale=0", "--set", "mom_aux_weight=0"],
                  "spikewhale": ["--set", "moe_aux_loss_coef=0"],
                  "shell_elastic": ["--tiers", "low,max"],   # multi-tier steps
-                 "shram": ["--set", "load_balance_weight=0"]}   # LB is a statistic of the whole batch
+                 "shram": ["--set", "load_balance_weight=0"],   # LB is a statistic of the whole batch
+                 # MiLe normalises its weights by the mean over a rank's tokens
+                 "neollm": ["--set", "use_mile_loss=false"]}
 
 
 @pytest.mark.parametrize("recipe", sorted(TINY))

@@ -1,0 +1,201 @@
+"""A decoder stack whose layers own their residual flow: SiameseNorm's two streams, or
+one pre-norm stream with optional LAuReL residual weights, and StackMemory on the
+attention-branch input.
+
+    ids → token embedding (nn.Embedding or a generator such as Leviathan)
+        → [Spelling Bee]                                   e = bee(ids, e)
+    two streams:  X = Y = e;  (X, Y) ← SiameseNormLayer(X, Y)   per layer;  z = SiameseNormFinal(X, Y)
+    one stream:   x = e;      x ← PreNormLayer(x)                per layer;  z = norm(x)
+
+Each layer's attention is an :class:`AttentionSublayer` (``h → ×input_scale →
+[StackMemory] → GQA``); its MLP a :class:`ScaledSublayer` (``h → ×input_scale → MLP``).
+``input_scale`` is LayerNorm Scaling's 1/√(ℓ+1) (or 1). The StackMemory state (depth
+mode: per token, carried from layer to layer) and the KV caches travel in a
+:class:`FlowContext` built per call, so no module keeps per-call state.
+
+Decoding: ``forward(ids, cache=DecoderCache())`` returns a new cache (one KV cache per
+layer, each never mutated in place), so two continuations of one cache are both right.
+Depth-mode StackMemory mixes nothing across positions, so it needs no decoding state.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._errors import ConfigError, ShapeError
+from ._validation import check_keep_mask, check_same_device, check_tensor
+from .decoder import DecoderCache, DecoderOutput
+from .gqa import GroupedQueryAttention, KVCache
+from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_start
+from .stack_memory import StackMemory, StackMemoryState
+
+__all__ = ["FlowContext", "AttentionSublayer", "ScaledSublayer", "PreNormLayer", "StreamDecoderModel"]
+
+
+@dataclass
+class FlowContext:
+    """Per-call state read and written by the sublayers: positions ``[1, S]``, the
+    ``(B, S)`` keep mask, the KV caches in/out by layer, the StackMemory state."""
+
+    positions: torch.Tensor
+    attention_mask: torch.Tensor | None
+    decoding: bool
+    caches_in: tuple
+    caches_out: list = field(default_factory=list)
+    stack_state: StackMemoryState | None = None
+
+
+class AttentionSublayer(nn.Module):
+    """Attention branch of one layer: ``h → h·input_scale → [stack(h)] → attention``.
+
+    Args:
+        attention: a :class:`GroupedQueryAttention`.
+        layer_idx: slot of this layer's KV cache.
+        stack: optional depth-mode :class:`StackMemory` augmenting the branch input.
+        input_scale: multiplies the normalised input (LayerNorm Scaling), 1 = off.
+
+    ``forward(h [B, S, D], ctx) -> [B, S, D]`` in ``h``'s dtype (under autocast the
+    projections compute in the autocast dtype; the streams keep theirs).
+    """
+
+    def __init__(self, attention: GroupedQueryAttention, layer_idx: int, stack: StackMemory | None = None,
+                 input_scale: float = 1.0) -> None:
+        super().__init__()
+        if stack is not None and stack.mode != "depth":
+            raise ConfigError(f"`stack` must be a depth-mode StackMemory, got mode={stack.mode!r}")
+        self.attention, self.stack = attention, stack
+        self.layer_idx, self.input_scale = layer_idx, float(input_scale)
+
+    def forward(self, h: torch.Tensor, ctx: FlowContext) -> torch.Tensor:
+        inp = h * self.input_scale if self.input_scale != 1.0 else h
+        if self.stack is not None:
+            inp, ctx.stack_state, _ = self.stack(inp, ctx.stack_state, ctx.attention_mask)
+        cache = (ctx.caches_in[self.layer_idx] or KVCache()) if ctx.decoding else None
+        out, cache, _ = self.attention(inp, ctx.positions, ctx.attention_mask, cache=cache)
+        ctx.caches_out[self.layer_idx] = cache
+        return out.to(h.dtype)
+
+
+class ScaledSublayer(nn.Module):
+    """``h → module(h·input_scale)`` cast back to ``h``'s dtype (the MLP branch)."""
+
+    def __init__(self, module: nn.Module, input_scale: float = 1.0) -> None:
+        super().__init__()
+        self.module, self.input_scale = module, float(input_scale)
+
+    def forward(self, h: torch.Tensor, ctx: FlowContext | None = None) -> torch.Tensor:
+        return self.module(h * self.input_scale if self.input_scale != 1.0 else h).to(h.dtype)
+
+
+class PreNormLayer(nn.Module):
+    """One pre-norm layer, ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, or with
+    LAuReL modules ``x = laurel(f, x)`` for each sublayer (the seed applies LAuReL to
+    both). ``attn_norm`` may be ``nn.Identity`` (no input norm at layer 0).
+
+    ``forward(x [B, S, D], attn_kwargs, mlp_kwargs) -> x``."""
+
+    def __init__(self, attention: nn.Module, mlp: nn.Module, attn_norm: nn.Module, mlp_norm: nn.Module,
+                 attn_laurel: nn.Module | None = None, mlp_laurel: nn.Module | None = None,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.attention, self.mlp, self.attn_norm, self.mlp_norm = attention, mlp, attn_norm, mlp_norm
+        self.attn_laurel, self.mlp_laurel = attn_laurel, mlp_laurel
+        self.dropout = float(dropout)
+
+    def _residual(self, laurel, f, x):
+        f = F.dropout(f, self.dropout, self.training)
+        return laurel(f, x) if laurel is not None else x + f
+
+    def forward(self, x: torch.Tensor, attn_kwargs: dict | None = None, mlp_kwargs: dict | None = None):
+        x = self._residual(self.attn_laurel, self.attention(self.attn_norm(x), **(attn_kwargs or {})), x)
+        return self._residual(self.mlp_laurel, self.mlp(self.mlp_norm(x), **(mlp_kwargs or {})), x)
+
+
+class StreamDecoderModel(nn.Module):
+    """Embedding → [Spelling Bee] → layers (two streams or one) → final fusion/norm.
+
+    Args:
+        token_embed: ``(name, module)``: ``nn.Embedding`` (called ``module(ids)``) or a
+            generator with ``forward(ids, attention_mask)`` (e.g. ``("token_generator",
+            LeviathanGenerator(...))``); padded ids never reach it.
+        layers: :class:`SiameseNormLayer` (all) or :class:`PreNormLayer` (all), each
+            built around an :class:`AttentionSublayer` and a :class:`ScaledSublayer`.
+        final: :class:`SiameseNormFinal` for two streams, a norm for one.
+        hidden_size: D.
+        spelling_bee: optional ``SpellingBeeEmbedding`` applied to the embeddings.
+
+    ``forward(input_ids [B, S], attention_mask=None, cache=None) -> DecoderOutput``;
+    ``aux_loss`` is the StackMemory entropy term λ·mean H (0 without StackMemory).
+    """
+
+    def __init__(self, token_embed: tuple[str, nn.Module], layers, final: nn.Module, hidden_size: int,
+                 spelling_bee: nn.Module | None = None) -> None:
+        super().__init__()
+        self.embed_name = token_embed[0]
+        self.add_module(*token_embed)
+        if spelling_bee is not None:
+            self.spelling_bee = spelling_bee
+        self.layers = nn.ModuleList(layers)
+        kinds = {type(layer) for layer in self.layers}
+        if len(kinds) != 1 or not kinds <= {SiameseNormLayer, PreNormLayer}:
+            raise ConfigError("`layers` must be all SiameseNormLayer or all PreNormLayer, "
+                              f"got {sorted(k.__name__ for k in kinds)}")
+        self.two_streams = kinds == {SiameseNormLayer}
+        if self.two_streams != isinstance(final, SiameseNormFinal):
+            raise ConfigError("`final` must be a SiameseNormFinal exactly when the layers are SiameseNormLayer")
+        self.final, self.hidden_size = final, hidden_size
+        self.stacks = [layer.attention.stack for layer in self.layers if layer.attention.stack is not None]
+
+    @property
+    def signature(self) -> tuple:
+        return ("stream_decoder", len(self.layers), self.hidden_size, self.two_streams)
+
+    def _check(self, input_ids, attention_mask, cache) -> None:
+        check_tensor("input_ids", input_ids, ndim=2, dtypes=(torch.int64, torch.int32), layout="(batch, seq)")
+        if input_ids.shape[1] == 0:
+            raise ShapeError("`input_ids` has an empty sequence; the model needs at least one token")
+        check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
+        check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=next(self.parameters()))
+        if cache is not None:
+            if not isinstance(cache, DecoderCache):
+                raise TypeError(f"`cache` must be a DecoderCache or None, got {type(cache).__name__}")
+            if cache.signature is not None and cache.signature != self.signature:
+                raise ConfigError(f"`cache` belongs to a decoder {cache.signature}, this one is {self.signature}")
+
+    def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        keep = None if attention_mask is None else attention_mask.bool()
+        ids = input_ids if keep is None else torch.where(keep, input_ids, torch.zeros_like(input_ids))
+        embed = getattr(self, self.embed_name)
+        x = embed(ids) if isinstance(embed, nn.Embedding) else embed(ids, attention_mask)
+        if hasattr(self, "spelling_bee"):
+            x = self.spelling_bee(ids, x)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: DecoderCache | None = None) -> DecoderOutput:
+        self._check(input_ids, attention_mask, cache)
+        S = input_ids.shape[1]
+        past = cache.length if cache is not None else 0
+        positions = torch.arange(past, past + S, device=input_ids.device).unsqueeze(0)
+        n = len(self.layers)
+        ctx = FlowContext(positions, attention_mask, cache is not None,
+                          cache.slots if cache is not None and cache.slots else (None,) * n, [None] * n)
+        x = self.embed(input_ids, attention_mask)
+        kwargs = {"ctx": ctx}
+        if self.two_streams:
+            xs, ys = siamese_start(x)
+            for layer in self.layers:
+                xs, ys = layer(xs, ys, attn_kwargs=kwargs, mlp_kwargs=kwargs)
+            z = self.final(xs, ys)
+        else:
+            for layer in self.layers:
+                x = layer(x, attn_kwargs=kwargs, mlp_kwargs=kwargs)
+            z = self.final(x)
+        aux = z.new_zeros((), dtype=torch.float32)
+        if ctx.stack_state is not None:
+            aux = self.stacks[0].aux_loss(ctx.stack_state)
+        new_cache = DecoderCache(past + S, tuple(ctx.caches_out), None, self.signature) if cache is not None else None
+        return DecoderOutput(z, new_cache, aux, None)
