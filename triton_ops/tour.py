@@ -39,7 +39,6 @@ MECHANISMS = [
     "leviathan",
     "shared_matrix",
     "mosrah",
-    "spelling_bee",
     "stack_memory",
 ]
 
