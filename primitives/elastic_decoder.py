@@ -101,8 +101,11 @@ class ElasticAttention(nn.Module):
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         key_mask = keep
         if cache is not None:
-            cache = cache.appended(k, v, keep if keep is not None else torch.ones(B, S, dtype=torch.bool,
-                                                                               device=x.device), signature)
+            # the library's one KV cache (primitives/_cache.py), tied to this tier's signature
+            config = {"signature": signature}
+            cache.check("ElasticAttention", config, k)
+            cache = cache.append(k, v, keep if keep is not None else torch.ones(B, S, dtype=torch.bool,
+                                                                             device=x.device), config=config)
             k, v, key_mask = cache.key.to(q.dtype), cache.value.to(q.dtype), cache.keep
         if cache is None and resolve_backend(self.backend, q) == "triton":
             from laminae.triton_ops._flash import flash_attention

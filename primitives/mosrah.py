@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ._validation import check_choice, check_keep_mask, check_positive_int, check_same_device, check_tensor
 
@@ -335,7 +336,7 @@ class _Storage:
 
 
 @dataclass(eq=False)
-class MoSRAHCache:
+class MoSRAHCache(DecodingCache):
     """Per-(batch, head) append-only post-RoPE keys and raw values of the live copies
     routed there, ``[B, L, capacity (+1 scratch row), u]``, and their counts ``[B, L]``.
 
@@ -369,6 +370,17 @@ class MoSRAHCache:
         return cache
 
     @property
+    def length(self) -> int:
+        """Positions seen (the protocol's token count)."""
+        return self.tokens
+
+    @property
+    def config(self) -> dict:
+        # per-head rows are scattered at data-dependent counts, which AppendBuffer's
+        # one-length-per-batch layout cannot hold; the protocol's checks still apply
+        return {"num_mosrah_heads": self.num_heads, "head_dim": self.head_dim}
+
+    @property
     def keys(self) -> torch.Tensor:
         """``[B, L, capacity + 1, u]`` post-RoPE keys; rows ≥ ``counts`` are junk."""
         return self._storage.keys
@@ -399,6 +411,10 @@ class MoSRAHCache:
         self.live_tokens = torch.zeros_like(self.live_tokens)
         self.tokens = self.bound = 0
         self._storage.head = self
+
+    def clone(self) -> "MoSRAHCache":
+        """An independent copy (same owner, fresh buffers)."""
+        return self.select(torch.arange(self.batch, device=self.counts.device))
 
     def select(self, batch_index: torch.Tensor) -> "MoSRAHCache":
         """A new cache holding rows ``batch_index`` (beam reordering), all state together."""
@@ -626,6 +642,7 @@ class MoSRAH(nn.Module):
                 f"(the YaRN limit), got {int(position_ids.max())}")
 
     def _check_cache(self, cache, x) -> None:
+        check_cache(cache, MoSRAHCache, {"num_mosrah_heads": self.num_heads, "head_dim": self.head_dim})
         if cache.owner is not self._cache_owner:
             raise ConfigError("`cache` was made by another MoSRAH layer (use this layer's empty_cache())")
         if (cache.num_heads, cache.head_dim) != (self.num_heads, self.head_dim):

@@ -28,7 +28,7 @@ from torch import nn
 from ._errors import ConfigError, ShapeError
 from ._validation import check_keep_mask, check_same_device, check_tensor
 from .decoder import DecoderCache, DecoderOutput
-from .gqa import GroupedQueryAttention, KVCache
+from .gqa import GroupedQueryAttention
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_start
 from .stack_memory import StackMemory, StackMemoryState
 
@@ -73,9 +73,10 @@ class AttentionSublayer(nn.Module):
         inp = h * self.input_scale if self.input_scale != 1.0 else h
         if self.stack is not None:
             inp, ctx.stack_state, _ = self.stack(inp, ctx.stack_state, ctx.attention_mask)
-        cache = (ctx.caches_in[self.layer_idx] or KVCache()) if ctx.decoding else None
+        # cache=None is "no history": the block (or its core: LUCID keeps v') returns its own kind
+        cache = ctx.caches_in[self.layer_idx] if ctx.decoding else None
         out, cache, _ = self.attention(inp, ctx.positions, ctx.attention_mask, cache=cache)
-        ctx.caches_out[self.layer_idx] = cache
+        ctx.caches_out[self.layer_idx] = cache if ctx.decoding else None
         return out.to(h.dtype)
 
 

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttention, EngramModule, LucidAttention,
-                                MemoryCacheBranch, MoMRead, StackMemory)
+                                MemoryCacheBranch, MoMRead, MoSRAH, StackMemory)
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 2, 1, 8
 
@@ -61,6 +61,17 @@ def _stack_run(module, x, mask, cache):
     return out, cache
 
 
+def _mosrah_run(module, x, mask, cache):
+    # without a cache the full forward (training path); a decoding cache starts from
+    # the layer's empty_cache, so the prefill also returns the cache to continue from
+    if cache is None:
+        full = module(x, attention_mask=mask)
+        cached = module(x, attention_mask=mask, cache=module.empty_cache(x.shape[0], dtype=x.dtype))
+        return full.output, cached.cache
+    res = module(x, attention_mask=mask, cache=cache)
+    return res.output, res.cache
+
+
 def _scaled(module):
     # non-trivial parameters, so every term of the mechanism is exercised
     torch.manual_seed(1)
@@ -85,6 +96,8 @@ BLOCKS = [
                                             backend=be).eval(), _engram_run, masked=False),
     Block("stack_memory", lambda be: _scaled(StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4,
                                                          mode="temporal", backend=be)), _stack_run),
+    Block("mosrah", lambda be: MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM,
+                                      training_sequence_length=32, backend=be).eval(), _mosrah_run),
 ]
 BY_NAME = {b.name: b for b in BLOCKS}
 
