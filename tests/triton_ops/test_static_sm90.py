@@ -321,7 +321,7 @@ def test_parallel_runner_names_stuck_jobs_and_keeps_going():
 # The cases describe the launches the code really makes
 # ----------------------------------------------------------------------------
 
-_PTR = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "i8", "uint8": "u8", "int32": "i32",
+_PTR = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32",
         "int64": "i64", "bool": "i1"}
 
 
