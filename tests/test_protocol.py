@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigError, DERFAttention, DTypeError,
-                                EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL, MoMRead, SharedMatrix,
-                                SpellingBeeEmbedding, StackMemory, set_backend, use_backend)
+                                EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL, MoMRead, MoSRAH,
+                                SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend, use_backend)
 from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.primitives.laurel import laurel_reference
 
@@ -160,6 +160,8 @@ def _newer_blocks(backend):
         "stack_memory": StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4, backend=backend),
         "leviathan": LeviathanGenerator(vocab_size=8, hidden_size=HIDDEN, seed_dim=8, num_modes=2, num_knots=4,
                                         rank=4, backend=backend),
+        "mosrah": MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=8, training_sequence_length=32,
+                         backend=backend),
     })
 
 
@@ -181,7 +183,7 @@ def test_newer_mechanisms_run_under_cpu_autocast(backend):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = torch.nn.functional.linear(x, torch.eye(HIDDEN))        # a bf16 activation, as autocast makes
         outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h), blocks["spelling_bee"](ids, h),
-                blocks["stack_memory"](h)[0], blocks["leviathan"](ids)]
+                blocks["stack_memory"](h)[0], blocks["leviathan"](ids), blocks["mosrah"](h).output]
     for out in outs:
         assert torch.isfinite(out.float()).all()
     sum(o.float().sum() for o in outs).backward()
@@ -278,3 +280,15 @@ def test_mom_router_mean_ignores_left_padding_and_decodes():
             steps.append(step)
     torch.testing.assert_close(out[:, 2:], plain, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(torch.cat(steps, 1), plain[:, 3:], atol=1e-6, rtol=1e-5)
+
+
+def test_mosrah_cache_of_another_configuration_is_refused():
+    x = _x(B=1, T=3)
+    small = MoSRAH(HIDDEN, num_mosrah_heads=2, num_selected_heads=1, head_dim=8, training_sequence_length=32)
+    cache = small(x, cache=small.empty_cache(1)).cache
+    assert cache.length == 3 and cache.config == {"num_mosrah_heads": 2, "head_dim": 8}
+    wide = MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=8, training_sequence_length=32)
+    with pytest.raises(ConfigError, match="num_mosrah_heads"):
+        wide(x, cache=cache)
+    with pytest.raises(TypeError, match="MoSRAHCache"):
+        wide(x, cache=AppendBuffer())
