@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ._cache import DecodingCache
+from ._validation import check_keep_mask
 from .decoder import BRANCH_CALLS
 from .mosrah import MoSRAH, MoSRAHCache
 from .sliding_window import SlidingWindowAttention, SlidingWindowCache
@@ -26,9 +28,17 @@ __all__ = ["HybridAttention", "HybridAttentionCache"]
 
 
 @dataclass(eq=False)
-class HybridAttentionCache:
+class HybridAttentionCache(DecodingCache):
     local: SlidingWindowCache
     sparse: MoSRAHCache | None = None
+
+    @property
+    def length(self) -> int:
+        return self.local.length
+
+    @property
+    def config(self) -> dict:
+        return {**self.local.config, **({} if self.sparse is None else self.sparse.config)}
 
     def reset(self) -> None:
         self.local.reset()
@@ -46,8 +56,10 @@ class HybridAttention(nn.Module):
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: HybridAttentionCache | None = None):
         B, N, _ = x.shape
-        live = (torch.ones(B, N, dtype=torch.bool, device=x.device) if attention_mask is None
-                else attention_mask.bool())
+        if cache is not None and not isinstance(cache, HybridAttentionCache):
+            raise TypeError(f"`cache` must be a HybridAttentionCache or None, got {type(cache).__name__}")
+        mask = check_keep_mask("attention_mask", attention_mask, B, N)
+        live = torch.ones(B, N, dtype=torch.bool, device=x.device) if mask is None else mask.bool()
         # padding contents never reach live rows, even as 0·NaN inside a masked product
         x = torch.where(live[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
         sparse = None

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
+from ._cache import DecodingCache, check_cache
 from ._validation import check_positive_int
 from .mosrah import rope_rotate
 
@@ -50,16 +51,30 @@ def sliding_window_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 @dataclass(eq=False)
-class SlidingWindowCache:
+class SlidingWindowCache(DecodingCache):
     """The retained frame: post-RoPE ``key``/``value`` ``[B, window, H, u]`` and ``live
-    [B, window]`` (live entries first, oldest first). Immutable: a step returns a new one."""
+    [B, window]`` (live entries first, oldest first); ``tokens`` positions seen.
+    Immutable: a step returns a new one. The frame is bounded by the window, so a step
+    costs O(window + chunk) whatever the length of the past."""
 
     key: torch.Tensor | None = None
     value: torch.Tensor | None = None
     live: torch.Tensor | None = None
+    tokens: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.tokens
+
+    @property
+    def config(self) -> dict:
+        if self.key is None:
+            return {}
+        return {"window": self.key.shape[1], "num_heads": self.key.shape[2], "head_dim": self.key.shape[3]}
 
     def reset(self) -> None:
         self.key = self.value = self.live = None
+        self.tokens = 0
 
 
 class SlidingWindowAttention(nn.Module):
@@ -103,6 +118,11 @@ class SlidingWindowAttention(nn.Module):
         v = self.v_proj(x).view(shape)
         key, value, key_live = k, v, live
         if cache is not None:
+            check_cache(cache, SlidingWindowCache, {"window": self.window, "num_heads": self.num_heads,
+                                                    "head_dim": self.head_dim}, batch=B, device=x.device,
+                        cache_batch=None if cache.key is None else cache.key.shape[0],
+                        cache_device=None if cache.key is None else cache.key.device)
+            tokens = cache.tokens + N
             if cache.key is None:
                 W = self.window
                 cache = SlidingWindowCache(k.new_zeros(B, W, *shape[2:]), v.new_zeros(B, W, *shape[2:]),
@@ -112,6 +132,7 @@ class SlidingWindowAttention(nn.Module):
             value = torch.cat([cache.value.to(v.dtype), v], 1)
             key_live = torch.cat([cache.live, live], 1)
             cache = self._retain(key.detach(), value.detach(), key_live)
+            cache.tokens = tokens
         if cache is None and all_live and resolve_backend(self.backend, x, self.q_proj.weight) == "triton":
             from laminae.triton_ops._flash import flash_attention
 

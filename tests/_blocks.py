@@ -10,6 +10,8 @@ import torch
 
 from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttention, EngramModule, LucidAttention,
                                 MemoryCacheBranch, MoMRead, MoSRAH, StackMemory)
+from laminae.primitives.hybrid_attention import HybridAttention, HybridAttentionCache
+from laminae.primitives.sliding_window import SlidingWindowAttention, SlidingWindowCache
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 2, 1, 8
 
@@ -72,6 +74,23 @@ def _mosrah_run(module, x, mask, cache):
     return res.output, res.cache
 
 
+def _hybrid_run(module, x, mask, cache):
+    # SHRAM's attention sub-layer: as MoSRAH, a decoding cache starts empty
+    if cache is None:
+        full = module(x, mask)[0]
+        return full, module(x, mask, cache=HybridAttentionCache(SlidingWindowCache()))[3]
+    out = module(x, mask, cache=cache)
+    return out[0], out[3]
+
+
+def _hybrid(backend):
+    torch.manual_seed(0)
+    local = SlidingWindowAttention(HIDDEN, 2, HEAD_DIM, window_size=3, backend=backend)
+    sparse = MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM, training_sequence_length=32,
+                    backend=backend)
+    return HybridAttention(local, sparse).eval()
+
+
 def _scaled(module):
     # non-trivial parameters, so every term of the mechanism is exercised
     torch.manual_seed(1)
@@ -98,6 +117,7 @@ BLOCKS = [
                                                          mode="temporal", backend=be)), _stack_run),
     Block("mosrah", lambda be: MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM,
                                       training_sequence_length=32, backend=be).eval(), _mosrah_run),
+    Block("hybrid_attention", _hybrid, _hybrid_run),
 ]
 BY_NAME = {b.name: b for b in BLOCKS}
 

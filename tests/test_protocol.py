@@ -292,3 +292,14 @@ def test_mosrah_cache_of_another_configuration_is_refused():
         wide(x, cache=cache)
     with pytest.raises(TypeError, match="MoSRAHCache"):
         wide(x, cache=AppendBuffer())
+
+
+def test_hybrid_attention_cache_of_another_window_is_refused():
+    block = BY_NAME["hybrid_attention"]
+    with torch.no_grad():
+        _, cache = block.run(block.build("reference"), _x(T=4), None, None)
+        assert cache.length == 4 and cache.config["window"] == 3
+        other = block.build("reference")
+        other.local_attention.window = 5
+        with pytest.raises(ConfigError, match="window"):
+            block.run(other, _x(T=1), None, cache)
