@@ -453,7 +453,7 @@ def test_cache_errors():
     with pytest.raises(ShapeError, match="batch"):
         m(x, cache=m.empty_cache(3))
     foreign = MoSRAHCache.empty(2, 3, 16, owner=m._cache_owner)
-    with pytest.raises(ShapeError, match="num_mosrah_heads"):
+    with pytest.raises(ConfigError, match="num_mosrah_heads"):   # the protocol: a cache of another configuration
         m(x, cache=foreign)
     with pytest.raises(TypeError, match="MoSRAHCache"):
         m(x, cache=object())
