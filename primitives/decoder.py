@@ -42,6 +42,7 @@ from torch import nn
 
 from ._errors import ConfigError, ShapeError
 from ._validation import check_keep_mask, check_same_device, check_tensor
+from ._cache import DecodingCache
 from .gqa import GroupedQueryAttention
 from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
 
@@ -227,15 +228,20 @@ def layer_plan(num_layers: int, loop_count: int = 1, mode: str = "full",
 
 
 @dataclass(eq=False)
-class DecoderCache:
-    """Decoding state of a :class:`DecoderModel`: tokens seen, one state dict per plan
-    slot, the input stage's state. Start with ``DecoderCache()``; pass back what the
-    model returns. ``reset()`` empties it for a new generation."""
+class DecoderCache(DecodingCache):
+    """Decoding state of a :class:`DecoderModel`: tokens seen, one cache per plan slot
+    (each block's own protocol cache), the input stage's cache. Start with
+    ``DecoderCache()``; pass back what the model returns (a new object: the one passed
+    in is unchanged). ``reset()`` empties it for a new generation."""
 
     length: int = 0
     slots: tuple | None = None
     input_state: Any = None
     signature: tuple | None = None
+
+    @property
+    def config(self) -> dict:
+        return {"signature": self.signature}
 
     def reset(self) -> None:
         self.length, self.slots, self.input_state, self.signature = 0, None, None, None

@@ -490,7 +490,7 @@ class StackMemory(nn.Module):
         if self.mode != "temporal":
             raise ConfigError("`cache` is for mode='temporal'; depth mode keeps no cross-token state")
         check_cache(cache, StackMemoryCache, self.cache_config, batch=B, device=device,
-                    cache_device=cache.stack.device)
+                    cache_device=getattr(getattr(cache, "stack", None), "device", None))
 
     # -- forward --------------------------------------------------------------
 

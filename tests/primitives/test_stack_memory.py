@@ -378,10 +378,10 @@ def test_state_from_another_configuration_raises():
     m = _module()
     x = torch.randn(2, 5, 32)
     _, state, _ = _module(stack_slots=5)(x)
-    with pytest.raises(ConfigError, match="another configuration"):
+    with pytest.raises(ConfigError, match="another StackMemory configuration"):
         m(x, state)
     _, state, _ = _module(mode="temporal")(x)
-    with pytest.raises(ConfigError, match="another configuration"):
+    with pytest.raises(ConfigError, match="another StackMemory configuration"):
         m(x, state)
     _, state, _ = m(x)
     with pytest.raises(ShapeError, match="state.stack"):
