@@ -1,5 +1,5 @@
 """A two-layer SHRAM model assembled in plain PyTorch around :class:`MoSRAH`, enough
-to run the seed-parity fixtures (``tests/data/shram_tiny*``, produced by the public
+to run the seed-parity fixtures (``tests/data/seed_parity/shram_tiny*``, produced by the public
 SHRAM implementation): embeddings, pre-norm layers with a sliding-window local path
 plus the MoSRAH path, SwiGLU MLP, final norm, LM head, CE + 0.01·Σ LB."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from laminae.primitives.mosrah import MoSRAH, rope_rotate
 
-DATA = Path(__file__).resolve().parents[1] / "data"
+DATA = Path(__file__).resolve().parents[1] / "data" / "seed_parity"
 SPARSE = "attention.sparse_attention."
 
 
