@@ -135,11 +135,10 @@ def byte_level_token_bytes(token: str) -> bytes:
 def sentencepiece_piece_bytes(piece: str) -> bytes:
     """Bytes of a SentencePiece piece: ``<0xHH>`` byte-fallback pieces are the byte HH,
     "▁" is a space, anything else is UTF-8."""
-    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-        try:
-            return bytes([int(piece[3:5], 16)])
-        except ValueError:
-            pass
+    hex_digits = piece[3:5]
+    if (len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+            and all(c in "0123456789abcdefABCDEF" for c in hex_digits)):
+        return bytes([int(hex_digits, 16)])
     return piece.replace("\u2581", " ").encode("utf-8")
 
 

@@ -38,6 +38,7 @@ test suite runs it in a subprocess for that reason.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import importlib
@@ -436,10 +437,8 @@ def tree_cpu_seconds(pid: int) -> float | None:
 
 def _kill_tree(pid: int) -> None:
     for p in [*_descendants(pid), pid] if os.path.isdir("/proc") else [pid]:
-        try:
+        with contextlib.suppress(OSError):  # already gone
             os.kill(p, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _worker(conn, fn) -> None:
@@ -527,10 +526,8 @@ def run_parallel(jobs: Sequence[Any], fn: Callable[[Any], dict], workers: int, *
                         fail(s, f"stuck: no CPU progress for {stall_s:.0f} s")
     finally:
         for s in slots:
-            try:
+            with contextlib.suppress(OSError):  # a worker that died has no pipe left
                 s.conn.send(None)
-            except OSError:
-                pass
         for s in slots:
             s.proc.join(timeout=10)
             if s.proc.is_alive():
