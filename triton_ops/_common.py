@@ -77,6 +77,9 @@ class StaticCase:
     "i32", "fp32"); constexpr arguments are listed in ``constexprs``.
     ``num_warps``/``num_stages`` must be what the launch passes; their defaults are
     Triton's own for CUDA (4 warps, 3 stages), which a launch that passes neither gets.
+    ``expect`` names the tensor-core instruction kind the SASS must contain ("HGMMA"
+    for a 16-bit matmul-shaped kernel built for Hopper's wgmma; "" checks nothing):
+    the static check fails a configuration that silently fell back to mma.sync.
     """
 
     name: str
@@ -86,6 +89,7 @@ class StaticCase:
     num_warps: int = 4
     num_stages: int = 3
     tags: dict[str, Any] = field(default_factory=dict)
+    expect: str = ""
 
     @property
     def label(self) -> str:

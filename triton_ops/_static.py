@@ -312,6 +312,7 @@ class Job:
     id: str
     key: str
     path: str | None = None
+    expect: str = ""
 
 
 def plan(stems: Sequence[str], paths: dict[str, str] | None = None) -> list[Job]:
@@ -324,7 +325,7 @@ def plan(stems: Sequence[str], paths: dict[str, str] | None = None) -> list[Job]
                 raise ValueError(f"two static cases of {stem} share the configuration {cid}: tell them apart "
                                  f"with a tag")
             seen[cid] = True
-            jobs.append(Job(stem, index, cid, case_key(case, memo), paths.get(stem)))
+            jobs.append(Job(stem, index, cid, case_key(case, memo), paths.get(stem), case.expect))
     return jobs
 
 
@@ -574,6 +575,8 @@ class CheckResult:
     compiled: int
     seconds: float
 
+    unmet: list[str] = field(default_factory=list)   # "id: expected X, got Y"
+
     @property
     def problems(self) -> list[StaticReport]:
         return [r for r in self.reports if not r.ok]
@@ -587,6 +590,7 @@ class CheckResult:
                  f"{TABLE_PATH.name}, {self.compiled} compiled for {TARGET_LABEL} in {self.seconds:.0f} s; "
                  f"{len(self.problems)} with problems"]
         lines += [f"  FAIL {r.id}: {r.problems()}" for r in self.problems]
+        lines += [f"  FAIL {u}" for u in self.unmet]
         if self.stale:
             lines.append(f"table is stale ({len(self.new)} new, {len(self.changed)} changed, "
                          f"{len(self.orphaned)} no longer launched): run `make static` to refresh it and the docs")
@@ -596,7 +600,8 @@ class CheckResult:
 
     def to_json(self) -> dict:
         return dict(reports=[r.record() | {"ok": r.ok, "source": r.source, "id": r.id} for r in self.reports],
-                    new=self.new, changed=self.changed, orphaned=self.orphaned, compiled=self.compiled,
+                    new=self.new, changed=self.changed, orphaned=self.orphaned, unmet=self.unmet,
+                    compiled=self.compiled,
                     seconds=self.seconds)
 
 
@@ -638,7 +643,14 @@ def check(stems: Sequence[str], *, table_path: Path = TABLE_PATH, paths: dict[st
         kept = [r for cid, r in table.items() if cid not in mine]
         write_table(kept + reports, table_path)
         new, changed, orphaned = [], [], []
-    return CheckResult(reports, new, changed, orphaned, len(todo), time.monotonic() - t0)
+    return CheckResult(reports, new, changed, orphaned, len(todo), time.monotonic() - t0,
+                       unmet_expectations(jobs, reports))
+
+
+def unmet_expectations(jobs: Sequence[Job], reports: Sequence[StaticReport]) -> list[str]:
+    """Configurations whose SASS lacks the tensor-core kind their case expects."""
+    return [f"{j.id}: expected {j.expect}, got {r.tensor_cores or 'nothing'}"
+            for j, r in zip(jobs, reports) if j.expect and r.tensor_cores != j.expect]
 
 
 # ----------------------------------------------------------------------------
@@ -778,7 +790,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.table:
             print(markdown(result.reports))
         print(result.summary())
-    failed = bool(result.problems) or (args.strict and result.stale)
+    failed = bool(result.problems) or bool(result.unmet) or (args.strict and result.stale)
     return 1 if failed else 0
 
 

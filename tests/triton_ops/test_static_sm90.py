@@ -5,6 +5,7 @@ where nothing changed and compiled in the same run where something did.
 Keys are computed in this (interpreted) process; compiles run in a subprocess
 with ``TRITON_INTERPRET`` unset, because the suite's kernels are interpreted."""
 import json
+from dataclasses import replace as dataclasses_replace
 import os
 import subprocess
 import sys
@@ -46,6 +47,8 @@ def test_every_kernel_configuration_is_clean_on_sm90():
     assert {r.mechanism for r in reports.values()} == set(MECHANISMS)
     bad = [f"{cid}: {r.problems()}" for cid, r in reports.items() if not r.ok]
     assert not bad, "kernels failing the sm_90 check:\n" + "\n".join(bad)
+    unmet = _static.unmet_expectations(jobs, [reports[j.id] for j in jobs])
+    assert not unmet, "kernels built without the tensor-core instructions they promise:\n" + "\n".join(unmet)
     gone = sorted(set(table) - set(reports))
     if compiled or gone:
         if os.environ.get("LAMINAE_STATIC_STRICT") == "1":
@@ -264,6 +267,13 @@ def test_ctas_per_sm_from_registers_shared_memory_and_warps():
     assert _static.ctas_per_sm(64, 4, 114 * 1024) == (1, "shared")
     assert _static.ctas_per_sm(64, 4, 228 * 1024)[0] == 0  # over a block's 227 KB: does not launch
     assert _static.ctas_per_sm(168, 8, 0) == (1, "registers")  # 168 x 256 threads = 43K
+
+
+def test_a_case_that_expects_hgmma_fails_on_mma_sync():
+    job = _static.Job("x", 0, "x/k[a]", "key", expect="HGMMA")
+    hmma = _static.StaticReport("x", "k", "a", tensor_cores="HMMA")
+    assert _static.unmet_expectations([job], [hmma]) == ["x/k[a]: expected HGMMA, got HMMA"]
+    assert _static.unmet_expectations([job], [dataclasses_replace(hmma, tensor_cores="HGMMA")]) == []
 
 
 def test_tensor_core_kind_from_sass():
