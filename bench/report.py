@@ -5,10 +5,15 @@ refreshes that table and this script's ``--update-docs`` writes it into the docs
     python bench/report.py bench/results/latest.json [--png out.png] [--static]
     python bench/report.py --update-docs docs/benchmarks.md
 
+    python bench/report.py run_triton.json run_eager.json run_compiled.json
+
 Table columns: median time per provider (eager reference, torch.compile'd
-reference, Triton op), the speed-ups of the Triton op and of the compiled
-reference over eager, achieved GB/s (memory-bound ops) or TFLOP/s when the
-benchmark recorded bytes or FLOPs, and peak memory (CUDA).
+reference, Triton op); the Triton op's speed-up over each; its TFLOP/s and GB/s
+from the FLOP and compulsory-byte counts each benchmark records per mode (see
+``bench/_harness.py``); its FLOP rate as a fraction of PyTorch SDPA's on the same
+attention shape and mode; the fraction of what the device sustains (bf16 matmul
+FLOP/s, or copy bandwidth for memory-bound kernels; H100/H200 only); peak memory
+(CUDA).
 """
 from __future__ import annotations
 
@@ -19,44 +24,82 @@ import sys
 from collections import defaultdict
 
 
-def load(path: str) -> tuple[dict, list[dict]]:
-    with open(path) as fh:
-        data = json.load(fh)
-    rows = []
-    for b in data["benchmarks"]:
-        info = b.get("extra_info", {})
-        if "provider" not in info:
-            continue
-        rows.append(dict(info, median_ms=b["stats"]["median"] * 1e3))
-    return data.get("machine_info", {}), rows
+# What the device sustains on plain work (measured on an H200: an 8192³ bf16 matmul
+# through PyTorch, a device-to-device copy counting bytes read and written); the
+# "% roofline" column divides by these.
+ACHIEVABLE = {"H200": (790e12, 4.3e12), "H100": (760e12, 3.0e12)}
+SDPA = "sdpa (baseline)"
+
+
+def load(*paths: str) -> tuple[dict, list[dict]]:
+    """Rows of every laminae benchmark in ``paths`` (several runs, e.g. one per provider,
+    merge; a later file's row replaces an earlier one's)."""
+    machine, rows = {}, {}
+    for path in paths:
+        with open(path) as fh:
+            data = json.load(fh)
+        machine = machine or data.get("machine_info", {})
+        for b in data["benchmarks"]:
+            info = b.get("extra_info", {})
+            if "provider" not in info:
+                continue
+            rows[(info["mechanism"], info["shape"], info["mode"], info["provider"])] = dict(
+                info, median_ms=b["stats"]["median"] * 1e3)
+    return machine, list(rows.values())
+
+
+def _achievable(device: str | None) -> tuple[float, float] | None:
+    return next((v for k, v in ACHIEVABLE.items() if device and k in device), None)
+
+
+def rates(rows: list[dict]) -> list[dict]:
+    """One dict per (mechanism, shape, mode): times per provider, the Triton op's
+    TFLOP/s and GB/s, its speed-ups, its FLOP rate as a fraction of SDPA's on the same
+    attention shape and mode, and as a fraction of what the device sustains."""
+    groups: dict[tuple, dict] = defaultdict(dict)
+    for r in rows:
+        groups[(r["mechanism"], r["shape"], r["mode"])][r["provider"]] = r
+    sdpa_rate = {(k[1], k[2]): g["eager"]["flops"] / (g["eager"]["median_ms"] * 1e-3)
+                 for k, g in groups.items() if k[0] == SDPA and "eager" in g and g["eager"].get("flops")}
+    out = []
+    for key in sorted(groups):
+        g = groups[key]
+        ms = {p: g[p]["median_ms"] for p in ("eager", "compiled", "triton") if p in g}
+        meta = next(iter(g.values()))
+        flops, nbytes = meta.get("flops"), meta.get("bytes_moved")
+        best = "triton" if "triton" in ms else ("eager" if key[0] == SDPA and "eager" in ms else None)
+        t = ms.get(best) if best else None
+        row = dict(mechanism=key[0], shape=key[1], mode=key[2], ms=ms, device=meta.get("device"),
+                   peak_mb={p: g[p].get("peak_mem_mb") for p in g})
+        row["tflops"] = flops / (t * 1e-3) / 1e12 if flops and t else None
+        row["gbs"] = nbytes / (t * 1e-3) / 1e9 if nbytes and t else None
+        row["vs_eager"] = ms["eager"] / ms["triton"] if "eager" in ms and "triton" in ms else None
+        row["vs_compiled"] = ms["compiled"] / ms["triton"] if "compiled" in ms and "triton" in ms else None
+        ref = sdpa_rate.get((key[1], key[2]))
+        row["of_sdpa"] = row["tflops"] * 1e12 / ref if ref and row["tflops"] and key[0] != SDPA else None
+        peak = _achievable(meta.get("device"))
+        row["of_roofline"] = None
+        if peak and row["tflops"]:
+            row["of_roofline"] = row["tflops"] * 1e12 / peak[0]
+        elif peak and row["gbs"]:
+            row["of_roofline"] = row["gbs"] * 1e9 / peak[1]
+        out.append(row)
+    return out
 
 
 def table(rows: list[dict]) -> str:
-    groups: dict[tuple, dict] = defaultdict(dict)
-    meta: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r["mechanism"], r["shape"], r["mode"])
-        groups[key][r["provider"]] = r
-        meta[key] = r
-    out = ["| mechanism | shape | mode | eager ms | compiled ms | triton ms | triton vs eager | compiled vs eager | "
-           "triton GB/s | peak MB (eager/triton) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
-    for key in sorted(groups):
-        g = groups[key]
-
-        def ms(p):
-            return g[p]["median_ms"] if p in g else None
-
-        e, c, t = ms("eager"), ms("compiled"), ms("triton")
-        fmt = lambda v: f"{v:.3f}" if v is not None else "-"  # noqa: E731
-        ratio = lambda a, b: f"{a / b:.2f}x" if a is not None and b else "-"  # noqa: E731
-        gbs = "-"
-        if t and meta[key].get("bytes_moved") and key[2] == "fwd":
-            gbs = f"{meta[key]['bytes_moved'] / (t * 1e-3) / 1e9:.0f}"
-        mem = "/".join(f"{g[p]['peak_mem_mb']:.1f}" if p in g and g[p].get("peak_mem_mb") is not None else "-"
-                       for p in ("eager", "triton"))
-        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {fmt(e)} | {fmt(c)} | {fmt(t)} | {ratio(e, t)} | "
-                   f"{ratio(e, c)} | {gbs} | {mem} |")
+    out = ["| mechanism | shape | mode | eager ms | compiled ms | triton ms | vs eager | vs compiled | "
+           "TFLOP/s | GB/s | of SDPA's FLOP rate | of roofline | peak MB (eager/triton) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    num = lambda v, f="{:.3f}": f.format(v) if v is not None else "-"  # noqa: E731
+    for r in rates(rows):
+        ms = r["ms"]
+        mem = "/".join(num(r["peak_mb"].get(p), "{:.1f}") for p in ("eager", "triton"))
+        out.append(f"| {r['mechanism']} | {r['shape']} | {r['mode']} | {num(ms.get('eager'))} | "
+                   f"{num(ms.get('compiled'))} | {num(ms.get('triton'))} | {num(r['vs_eager'], '{:.2f}x')} | "
+                   f"{num(r['vs_compiled'], '{:.2f}x')} | {num(r['tflops'], '{:.1f}')} | {num(r['gbs'], '{:.0f}')} | "
+                   f"{num(r['of_sdpa'] and 100 * r['of_sdpa'], '{:.0f} %')} | "
+                   f"{num(r['of_roofline'] and 100 * r['of_roofline'], '{:.0f} %')} | {mem} |")
     return "\n".join(out)
 
 
@@ -97,21 +140,21 @@ def static_table(per_config: bool = False) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("json", nargs="?", help="pytest-benchmark JSON file")
+    p.add_argument("json", nargs="*", help="pytest-benchmark JSON files (merged)")
     p.add_argument("--png", help="chart path (default: next to the JSON)")
     p.add_argument("--static", action="store_true", help="also print the static sm_90 summary (from the table)")
     p.add_argument("--static-configs", action="store_true", help="print every static sm_90 configuration")
     p.add_argument("--update-docs", metavar="MD", help="rewrite the generated static section of this file")
     args = p.parse_args(argv)
     if args.json:
-        machine, rows = load(args.json)
+        machine, rows = load(*args.json)
         if not rows:
-            print("no laminae benchmarks in", args.json, file=sys.stderr)
+            print("no laminae benchmarks in", *args.json, file=sys.stderr)
             return 1
         print(f"machine: {machine.get('cpu', {}).get('brand_raw', '?')}; device: {rows[0].get('device')}; "
               f"torch {rows[0].get('torch')}\n")
         print(table(rows))
-        png = args.png or os.path.splitext(args.json)[0] + ".png"
+        png = args.png or os.path.splitext(args.json[0])[0] + ".png"
         try:
             chart(rows, png)
             print(f"\nchart: {png}")

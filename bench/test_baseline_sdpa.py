@@ -2,7 +2,7 @@
 yardstick every attention mechanism is compared against."""
 import pytest
 
-from ._attention import SHAPES, causal_flops, qkv, sdpa, shape_id
+from ._attention import SHAPES, attention_flops, qkv, sdpa, shape_id
 from ._harness import MODES, run_benchmark
 
 
@@ -11,4 +11,4 @@ from ._harness import MODES, run_benchmark
 def test_sdpa_baseline(benchmark, mode, shape):
     inputs = qkv(shape, mask=False)
     run_benchmark(benchmark, name="sdpa (baseline)", provider="eager", mode=mode, op=sdpa, reference=sdpa,
-                  inputs=inputs, grad_names=["q", "k", "v"], shape=shape_id(shape), flops=causal_flops(shape))
+                  inputs=inputs, grad_names=["q", "k", "v"], shape=shape_id(shape), flops=attention_flops(shape))

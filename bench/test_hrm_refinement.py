@@ -4,7 +4,7 @@ import torch
 from laminae.primitives.hrm_refinement import hrm_refinement_reference
 from laminae.triton_ops.hrm_refinement import hrm_refinement
 
-from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
+from ._harness import DEVICE, MODES, PROVIDERS, by_mode, run_benchmark
 
 # (rows = batch·seq, hidden D, refine_dim R, steps T)
 SHAPES = [(4 * 512, 1024, 256, 2), (4 * 2048, 2048, 512, 2), (8 * 2048, 4096, 512, 3)]
@@ -28,7 +28,9 @@ def _inputs(rows, d, refine, steps):
 def test_hrm_refinement(benchmark, provider, mode, shape):
     rows, d, refine, steps = shape
     # forward matmul FLOPs of the seed formulation: down over the [N, 2D] concat + up, per step
-    flops = steps * (2 * rows * 2 * d * refine + 2 * rows * refine * d)
+    # (the backward forms two products per forward one: input and weight gradients)
+    fwd = steps * (2 * rows * 2 * d * refine + 2 * rows * refine * d)
+    flops = by_mode(fwd, 3 * fwd)
     run_benchmark(benchmark, name="hrm_refinement", provider=provider, mode=mode, op=hrm_refinement,
                   reference=hrm_refinement_reference, inputs=_inputs(rows, d, refine, steps), grad_names=GRADS,
                   shape=f"N={rows},D={d},R={refine},T={steps}", flops=flops)

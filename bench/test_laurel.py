@@ -4,7 +4,7 @@ import torch
 from laminae.primitives.laurel import laurel_reference
 from laminae.triton_ops.laurel import laurel
 
-from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
+from ._harness import DEVICE, MODES, PROVIDERS, by_mode, run_benchmark
 
 SHAPES = [(4 * 512, 1024, 32), (4 * 2048, 2048, 32), (8 * 2048, 4096, 64)]
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -27,7 +27,10 @@ def _inputs(rows, d, rank):
 def test_laurel(benchmark, provider, mode, shape):
     rows, d, rank = shape
     inputs = _inputs(rows, d, rank)
-    # three [N, D] reads + one write forward; memory-bound
-    bytes_moved = 4 * rows * d * inputs["f"].element_size()
+    # memory-bound: forward reads f, x and writes y; the backward reads dy, f, x (the
+    # mixing weights' gradients need f and x) and writes df, dx ([N, D] each; the
+    # rank-r factors and their [N, r] products are small)
+    nd = rows * d * inputs["f"].element_size()
+    bytes_moved = by_mode(3 * nd, 8 * nd)
     run_benchmark(benchmark, name="laurel", provider=provider, mode=mode, op=laurel, reference=laurel_reference,
                   inputs=inputs, grad_names=list(inputs), shape=f"N={rows},D={d},r={rank}", bytes_moved=bytes_moved)

@@ -4,7 +4,7 @@ import torch
 from laminae.primitives.leviathan import LeviathanGenerator, leviathan_reference
 from laminae.triton_ops.leviathan import leviathan
 
-from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
+from ._harness import DEVICE, MODES, PROVIDERS, by_mode, run_benchmark
 
 # NeoLLM's defaults: V = 64402, D = 512, d = 128, h = 8, κ = 16, r = 64, k = 3. Tokens per
 # step: a 4×2048 and an 8×2048 batch on GPU; the CPU reference materialises B and φ
@@ -41,7 +41,9 @@ def test_leviathan(benchmark, provider, mode, tokens, distribution):
     h, d, knots, rank = inputs["head_spline_delta"].shape
     hidden = inputs["head_out_weight"].shape[-1]
     # per token, forward: projection, dense basis·coefficient products, output projection
-    flops = tokens * (2 * h * d * d + 2 * h * d * knots * rank + 2 * h * rank * hidden)
+    # (the backward forms two products per forward one)
+    fwd = tokens * (2 * h * d * d + 2 * h * d * knots * rank + 2 * h * rank * hidden)
+    flops = by_mode(fwd, 3 * fwd)
     run_benchmark(benchmark, name="leviathan", provider=provider, mode=mode, op=leviathan,
                   reference=leviathan_reference, inputs=inputs, grad_names=NAMES,
                   shape=f"N={tokens},{distribution},V=64402,D=512,d=128,h=8,κ=16,r=64", flops=flops)

@@ -12,7 +12,7 @@ import torch
 from laminae.primitives.shared_matrix import shared_matrix_reference
 from laminae.triton_ops.shared_matrix import shared_matrix
 
-from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
+from ._harness import DEVICE, MODES, PROVIDERS, by_mode, run_benchmark
 
 # (tokens, out_features, in_features, rows, cols, ratio, learned scale)
 GPU_SHAPES = [
@@ -54,7 +54,7 @@ def test_shared_matrix(benchmark, provider, mode, shape):
     inputs = _inputs(*shape)
     tokens, _, _, rows, cols, _, scaled = shape
     grads = ["x", "delta"] + (["scale"] if scaled else [])  # init frozen, as in the paper
-    flops = (2 if mode == "fwd" else 6) * tokens * rows * cols
+    flops = by_mode(2 * tokens * rows * cols, 6 * tokens * rows * cols)
     run_benchmark(benchmark, name="shared_matrix", provider=provider, mode=mode, op=shared_matrix,
                   reference=shared_matrix_reference, inputs=inputs, grad_names=grads, shape=_label(shape),
                   flops=flops)

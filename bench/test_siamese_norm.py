@@ -4,7 +4,7 @@ import torch
 from laminae.primitives.siamese_norm import siamese_boundary_reference
 from laminae.triton_ops.siamese_norm import siamese_boundary
 
-from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
+from ._harness import DEVICE, MODES, PROVIDERS, by_mode, run_benchmark
 
 SHAPES = [(4 * 512, 1024), (4 * 2048, 2048), (8 * 2048, 4096)]
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -30,8 +30,10 @@ def test_siamese_norm(benchmark, provider, mode, shape):
     rows, d = shape
     inputs = _inputs(rows, d)
     grads = [k for k, v in inputs.items() if isinstance(v, torch.Tensor)]
-    # MLP boundary: reads x, y, update; writes X', Y', h
-    bytes_moved = 6 * rows * d * inputs["x"].element_size()
+    # MLP boundary: reads x, y, update, writes X', Y', h; the backward reads the three
+    # upstream gradients and x, y, update again and writes dx, dy, dupdate
+    nd = rows * d * inputs["x"].element_size()
+    bytes_moved = by_mode(6 * nd, 15 * nd)
     run_benchmark(benchmark, name="siamese_norm", provider=provider, mode=mode, op=siamese_boundary,
                   reference=siamese_boundary_reference, inputs=inputs, grad_names=grads,
                   shape=f"N={rows},D={d}", bytes_moved=bytes_moved)
