@@ -275,18 +275,18 @@ class MoMTiles:
 # Keyed by BLOCK_D; sized for sm_90 and checked spill-free by the static check.
 # 16-bit: 64-row pair tiles (one warpgroup's wgmma M); the dK/dV accumulators are
 # [hd, BLOCK_N], so hd is their M. fp32 takes exact products on the FMA units with
-# operands in registers: smaller tiles. The merge streams ~2K elements per program.
+# operands in registers: smaller tiles. The merge streams 1K elements per program.
 _TILES_16BIT: dict[int, MoMTiles] = {
-    16: MoMTiles(64, 64, 4, 4, 64, 64, 4, 128),
-    32: MoMTiles(64, 64, 4, 4, 64, 64, 4, 64),
-    64: MoMTiles(64, 64, 4, 4, 64, 64, 8, 32),
-    128: MoMTiles(64, 32, 8, 8, 64, 32, 8, 16),
+    16: MoMTiles(64, 64, 4, 4, 64, 64, 4, 64),
+    32: MoMTiles(64, 64, 4, 4, 64, 64, 4, 32),
+    64: MoMTiles(64, 64, 4, 4, 64, 64, 8, 16),
+    128: MoMTiles(64, 32, 8, 8, 64, 32, 8, 8),
 }
 _TILES_FP32: dict[int, MoMTiles] = {
-    16: MoMTiles(32, 32, 4, 4, 32, 32, 4, 128),
-    32: MoMTiles(32, 32, 8, 4, 16, 32, 4, 64),
-    64: MoMTiles(32, 32, 4, 8, 16, 32, 8, 32),
-    128: MoMTiles(16, 32, 8, 8, 16, 16, 8, 16),
+    16: MoMTiles(32, 32, 4, 4, 32, 32, 4, 64),
+    32: MoMTiles(32, 32, 8, 4, 16, 32, 4, 32),
+    64: MoMTiles(32, 32, 4, 8, 16, 32, 8, 16),
+    128: MoMTiles(16, 32, 8, 8, 16, 16, 8, 8),
 }
 
 
