@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
@@ -300,6 +301,24 @@ def tiles(head_dim: int, dtype: torch.dtype) -> MoMTiles:
     return (_TILES_FP32 if dtype == torch.float32 else _TILES_16BIT)[block_d(head_dim)]
 
 
+def _narrowest_chunk(dtype: torch.dtype) -> int:
+    # fp32's FMA dots at 16-slot chunks left ptxas a few bytes of stack in two configurations
+    return 32 if dtype == torch.float32 else 16
+
+
+def fit_chunks(t: MoMTiles, block_size: int, dtype: torch.dtype) -> MoMTiles:
+    """Slot chunks no wider than the block (a power of two ≥ 16, as ``tl.dot`` needs):
+    a 64-slot chunk over a 16-slot block would spend 3/4 of its dot and exp work on
+    masked slots."""
+    cap = max(_narrowest_chunk(dtype), triton.next_power_of_2(block_size))
+    return dataclasses.replace(t, block_n=min(t.block_n, cap), dkdv_n=min(t.dkdv_n, cap))
+
+
+def _chunk_widths(widest: int, dtype: torch.dtype) -> list[int]:
+    """The slot-chunk widths :func:`fit_chunks` can launch up to ``widest``."""
+    return [w for w in (16, 32, 64) if _narrowest_chunk(dtype) <= w < widest] + [widest]
+
+
 class PairSchedule(NamedTuple):
     order: torch.Tensor     # [P] int32: original pair index (token·Tk + t) of each sorted pair
     offsets: torch.Tensor   # [E + 1] int32: block e's sorted pairs are offsets[e]:offsets[e + 1]
@@ -349,7 +368,7 @@ def mom_read_fwd(q: torch.Tensor, k_bank: torch.Tensor, v_bank: torch.Tensor, to
     B, S, H, hd = q.shape
     tk = top_idx.shape[-1]
     num_blocks = k_bank.shape[0] // block_size
-    t = tiles(hd, q.dtype)
+    t = fit_chunks(tiles(hd, q.dtype), block_size, q.dtype)
     bd = block_d(hd)
     qk_scale, _ = _scales(hd)
     sched = pair_schedule(top_idx, num_blocks, t.block_m)
@@ -375,7 +394,7 @@ def _mom_read_bwd(do: torch.Tensor, q: torch.Tensor, k_bank: torch.Tensor, v_ban
     B, S, H, hd = q.shape
     tk = top_idx.shape[-1]
     num_blocks = k_bank.shape[0] // block_size
-    t = tiles(hd, q.dtype)
+    t = fit_chunks(tiles(hd, q.dtype), block_size, q.dtype)
     qk_scale, sm_scale = _scales(hd)
     bd = block_d(hd)
     precision = dot_precision(q.dtype)
@@ -504,8 +523,8 @@ def mom_read(
 
 
 def static_cases() -> Iterator[StaticCase]:
-    """Every (dtype, padded head dim) configuration of the four kernels, with the
-    warps and stages they launch with; 16-bit matmul-shaped kernels at head dim 64/128
+    """Every (dtype, padded head dim, slot-chunk width) configuration of the four
+    kernels, with the warps and stages they launch with; 16-bit matmul-shaped kernels at head dim 64/128
     must build to Hopper's wgmma."""
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         dt = triton_dtype(dtype)
@@ -515,28 +534,30 @@ def static_cases() -> Iterator[StaticCase]:
         for bd, t in table.items():
             tags = {"dtype": dt}
             expect = "HGMMA" if dtype != torch.float32 and bd in (64, 128) else ""
-            yield StaticCase("mom_fwd_pairs", _mom_fwd_pairs_kernel,
-                             dict(q_ptr=p, k_ptr=p, v_ptr=p, order_ptr="*i32", tile_ptr="*i32", part_o_ptr="*fp32",
-                                  part_lse_ptr="*fp32", H="i32", HD="i32", TK="i32", BS="i32", qk_scale="fp32"),
-                             dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=bd, PRECISION=prec),
-                             t.fwd_warps, t.stages, tags=tags, expect=expect)
+            for bn in _chunk_widths(t.block_n, dtype):
+                yield StaticCase("mom_fwd_pairs", _mom_fwd_pairs_kernel,
+                                 dict(q_ptr=p, k_ptr=p, v_ptr=p, order_ptr="*i32", tile_ptr="*i32", part_o_ptr="*fp32",
+                                      part_lse_ptr="*fp32", H="i32", HD="i32", TK="i32", BS="i32", qk_scale="fp32"),
+                                 dict(BLOCK_M=t.block_m, BLOCK_N=bn, BLOCK_D=bd, PRECISION=prec),
+                                 t.fwd_warps, t.stages, tags=tags, expect=expect)
+                yield StaticCase("mom_bwd_dq", _mom_bwd_dq_kernel,
+                                 dict(q_ptr=p, k_ptr=p, v_ptr=p, o_ptr=p, do_ptr=p, lse_ptr="*fp32", lg_ptr="*fp32",
+                                      order_ptr="*i32", tile_ptr="*i32", dq_part_ptr="*fp32", wc_ptr="*fp32",
+                                      shift_ptr="*fp32", delta_ptr="*fp32",
+                                      H="i32", HD="i32", TK="i32", BS="i32", qk_scale="fp32", sm_scale="fp32"),
+                                 dict(BLOCK_M=t.block_m, BLOCK_N=bn, BLOCK_D=bd, PRECISION=prec),
+                                 t.dq_warps, t.stages, tags=tags, expect=expect)
             yield StaticCase("mom_merge", _mom_merge_kernel,
                              dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", lg_ptr="*fp32", o_ptr=p, lse_ptr="*fp32",
                                   N="i32", H="i32", HD="i32", TK="i32"),
                              dict(BLOCK_T=t.merge_t, BLOCK_D=bd), 4, 1, tags=tags)
-            yield StaticCase("mom_bwd_dq", _mom_bwd_dq_kernel,
-                             dict(q_ptr=p, k_ptr=p, v_ptr=p, o_ptr=p, do_ptr=p, lse_ptr="*fp32", lg_ptr="*fp32",
-                                  order_ptr="*i32", tile_ptr="*i32", dq_part_ptr="*fp32", wc_ptr="*fp32",
-                                  shift_ptr="*fp32", delta_ptr="*fp32",
-                                  H="i32", HD="i32", TK="i32", BS="i32", qk_scale="fp32", sm_scale="fp32"),
-                             dict(BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_D=bd, PRECISION=prec),
-                             t.dq_warps, t.stages, tags=tags, expect=expect)
-            yield StaticCase("mom_bwd_dkdv", _mom_bwd_dkdv_kernel,
-                             dict(q_ptr=p, k_ptr=p, v_ptr=p, do_ptr=p, order_ptr="*i32", offsets_ptr="*i32",
-                                  shift_ptr="*fp32", delta_ptr="*fp32", dk_ptr=p, dv_ptr=p,
-                                  H="i32", HD="i32", TK="i32", BS="i32", qk_scale="fp32", sm_scale="fp32"),
-                             dict(BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n, BLOCK_D=bd, PRECISION=prec),
-                             t.dkdv_warps, t.stages, tags=tags, expect=expect)
+            for bn in _chunk_widths(t.dkdv_n, dtype):
+                yield StaticCase("mom_bwd_dkdv", _mom_bwd_dkdv_kernel,
+                                 dict(q_ptr=p, k_ptr=p, v_ptr=p, do_ptr=p, order_ptr="*i32", offsets_ptr="*i32",
+                                      shift_ptr="*fp32", delta_ptr="*fp32", dk_ptr=p, dv_ptr=p,
+                                      H="i32", HD="i32", TK="i32", BS="i32", qk_scale="fp32", sm_scale="fp32"),
+                                 dict(BLOCK_M=t.dkdv_m, BLOCK_N=bn, BLOCK_D=bd, PRECISION=prec),
+                                 t.dkdv_warps, t.stages, tags=tags, expect=expect)
 
 
 def tour_case(device: torch.device):
