@@ -7,8 +7,10 @@ from laminae.triton_ops.mom_read import mom_read
 from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
 
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-# (batch, seq, heads, head_dim, blocks, block_size, top_blocks)
-SHAPES = [(1, 512, 8, 64, 32, 16, 4), (1, 2048, 8, 64, 32, 16, 4), (4, 2048, 8, 64, 64, 32, 4)]
+# (batch, seq, heads, head_dim, blocks, block_size, top_blocks); the last is the
+# Naylis reference run's layer (D 1024, 16 heads, 8 blocks of 128 slots, top 2)
+SHAPES = [(1, 512, 8, 64, 32, 16, 4), (1, 2048, 8, 64, 32, 16, 4), (4, 2048, 8, 64, 64, 32, 4),
+          (1, 2048, 16, 64, 8, 128, 2)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}-S{}-H{}-D{}-E{}-bs{}-k{}".format(*s))
@@ -29,6 +31,11 @@ def test_mom_read(benchmark, provider, mode, shape):
     }
     # selected slots only: 2·2·B·S·H·d·(top·bs)
     flops = 4 * b * s * h * d * tk * bs
+    # Triton forward: q in, o out, the bank once, the fp32 per-pair partials (o and
+    # log-partition) written by the pair kernel and read by the merge
+    elt = torch.tensor([], dtype=DTYPE).element_size()
+    bytes_moved = 2 * b * s * h * d * elt + 2 * e * bs * h * d * elt + 2 * b * s * tk * h * (d + 1) * 4
     run_benchmark(benchmark, name="mom_read", provider=provider, mode=mode, op=mom_read,
                   reference=mom_read_reference, inputs=inputs, grad_names=["q", "k_bank", "v_bank", "top_gates"],
-                  shape="B={},S={},H={},D={},E={},bs={},k={}".format(*shape), flops=flops)
+                  shape="B={},S={},H={},D={},E={},bs={},k={}".format(*shape), flops=flops,
+                  bytes_moved=bytes_moved)

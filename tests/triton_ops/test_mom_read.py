@@ -6,19 +6,20 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from laminae.primitives import DTypeError, ShapeError
+from laminae.primitives import DeviceError, DTypeError, ShapeError
 from laminae.primitives.mom_read import MoMRead, MoMReadState, collect_mom_aux_loss, mom_read_reference
 from laminae.triton_ops._parity import parity
-from laminae.triton_ops.mom_read import MoMTiles, mom_read, mom_read_fwd, tour_case
+from laminae.triton_ops.mom_read import MoMTiles, mom_read, mom_read_fwd, pair_schedule, tour_case
 
 from .._helpers import DEVICE, assert_parity, scales, seeds
 
 mom_mod = importlib.import_module("laminae.triton_ops.mom_read")  # the kernel file, not the function
 
 GRADS = ["q", "k_bank", "v_bank", "top_gates"]
-# 2-slot chunks in the token kernels (blocks of 3..8 slots span several chunks);
-# the bank kernel's tiles feed tl.dot and stay at 16.
-SMALL = MoMTiles(token_n=2, token_warps=1, bank_m=16, bank_n=16, bank_warps=1)
+# The smallest tiles tl.dot takes, with BLOCK_M != BLOCK_N both ways round: blocks of
+# 17+ slots span several (masked-tail) chunks, blocks read by 17+ pairs several pair
+# tiles. The default fp32 tiles (32 x 32) run when ``small`` is False.
+SMALL = MoMTiles(block_m=32, block_n=16, fwd_warps=1, dq_warps=1, dkdv_m=16, dkdv_n=32, dkdv_warps=1, merge_t=16)
 
 
 @contextmanager
@@ -70,7 +71,7 @@ def routing(draw):
 
 
 @given(B=st.integers(1, 2), S=st.integers(1, 24), H=st.integers(1, 2), et=routing(),
-       bs=st.sampled_from([1, 3, 4, 8]), hd=st.sampled_from([8, 16, 32]), scale=scales, seed=seeds,
+       bs=st.sampled_from([1, 3, 8, 19]), hd=st.sampled_from([8, 16, 32]), scale=scales, seed=seeds,
        small=st.booleans())
 def test_kernel_matches_reference_fp32(B, S, H, et, bs, hd, scale, seed, small):
     E, tk = et
@@ -79,15 +80,43 @@ def test_kernel_matches_reference_fp32(B, S, H, et, bs, hd, scale, seed, small):
         assert_parity(mom_read, reference_in_float64, inp, GRADS)
 
 
+@given(B=st.integers(1, 3), S=st.integers(1, 40), et=routing(), block_m=st.sampled_from([16, 32, 64]), seed=seeds)
+def test_pair_schedule_tiles_every_pair_once_within_one_block(B, S, et, block_m, seed):
+    E, tk = et
+    idx = _inputs(B, S, 1, 8, E, 1, tk, 1.0, seed)["top_idx"]
+    order, offsets, table = pair_schedule(idx, E, block_m)
+    flat = idx.reshape(-1)
+    assert torch.equal(flat[order.long()], flat.sort(stable=True).values)
+    offs = offsets.tolist()
+    assert offs == [int((flat < e).sum()) for e in range(E + 1)]
+    covered = []
+    for e, lo, hi in table.tolist():
+        if lo == hi:           # a row past the real tile count: its program exits
+            continue
+        assert offs[e] <= lo < hi == offs[e + 1]
+        covered += range(lo, min(lo + block_m, hi))
+    assert sorted(covered) == list(range(flat.numel()))
+    assert table.shape[0] == min(flat.numel(), -(-flat.numel() // block_m) + E)
+
+
 def test_float32_reference_parity_at_unit_scale():
     inp = _inputs(2, 13, 2, 16, 5, 3, 3, 1.0, 11)
     assert_parity(mom_read, mom_read_reference, inp, GRADS)
 
 
 def test_default_tiles_span_several_chunks_and_pair_tiles():
-    # bs = 40 > 32 slots per chunk; 20 pairs per block > 16 pairs per bank tile
-    inp = _inputs(1, 20, 1, 24, 2, 40, 2, 1.0, 5)
+    # bs = 40 > 32 slots per chunk; 40 pairs per block > 32 pairs per tile
+    inp = _inputs(1, 40, 1, 24, 2, 40, 2, 1.0, 5)
     assert_parity(mom_read, mom_read_reference, inp, GRADS)
+
+
+def test_fp16_with_the_gpu_tiles():
+    """The 16-bit tiles the GPU launches at hd 64 (64-pair tiles, 64-slot chunks, 8-warp
+    dK/dV), run by the interpreter in fp16 (its bf16 tl.dot is not faithful): a block of
+    70 slots spans a full and a masked chunk, 80 pairs of a block span two tiles."""
+    assert mom_mod.tiles(64, torch.float16) == MoMTiles(64, 64, 4, 4, 64, 64, 8, 16)
+    inp = _inputs(2, 40, 1, 64, 2, 70, 2, 1.0, 12, dtype=torch.float16)
+    assert_parity(mom_read, mom_read_reference, inp, GRADS, dtype=torch.float16)
 
 
 def test_single_token_reads_one_pair_per_block():
@@ -217,10 +246,24 @@ def test_triton_rejects_bad_inputs():
         mom_read(**(inp | {"block_size": 3}))
     with pytest.raises(ShapeError, match="top_gates"):
         mom_read(**(inp | {"top_gates": inp["top_gates"][..., :1]}))
+    with pytest.raises(DeviceError, match="top_idx"):
+        mom_read(**(inp | {"top_idx": inp["top_idx"].to("meta")}))
+    # value checks read back to the host: behind validate=True / LAMINAE_DEBUG=1
     with pytest.raises(ValueError, match=r"\[0, 4\)"):
-        mom_read(**(inp | {"top_idx": inp["top_idx"] + 3}))
+        mom_read(**(inp | {"top_idx": inp["top_idx"] + 3}), validate=True)
     with pytest.raises(ValueError, match="distinct"):
-        mom_read(**(inp | {"top_idx": inp["top_idx"][..., :1].repeat(1, 1, 2)}))
+        mom_read(**(inp | {"top_idx": inp["top_idx"][..., :1].repeat(1, 1, 2)}), validate=True)
+
+
+def test_index_value_checks_follow_laminae_debug(monkeypatch):
+    inp = _inputs(1, 3, 2, 8, 4, 2, 2, 1.0, 0)
+    bad = inp | {"top_idx": inp["top_idx"] + 3}
+    monkeypatch.setenv("LAMINAE_DEBUG", "1")
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        mom_read(**bad)
+    mom_read(**bad, validate=False)   # out-of-range pairs read no bank row
+    monkeypatch.setenv("LAMINAE_DEBUG", "0")
+    mom_read(**bad)
 
 
 def test_opcheck_schema_and_autograd_registration():
@@ -249,6 +292,20 @@ def test_kernel_matches_reference_low_precision(dtype, hd):
 def test_kernel_matches_reference_fp32_gpu_default_tiles(hd):
     inp = _inputs(2, 200, 4, hd, 8, 48, 3, 1.0, 1)
     assert_parity(mom_read, mom_read_reference, inp, GRADS)
+
+
+@pytest.mark.gpu
+def test_forward_and_backward_never_sync_with_the_host():
+    inp = _inputs(2, 300, 4, 64, 8, 64, 2, 1.0, 4, dtype=torch.bfloat16)
+    leaves = {k: (v.clone().requires_grad_(True) if k in GRADS else v) for k, v in inp.items()}
+    mom_read(**leaves).float().sum().backward()   # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mom_read(**leaves)
+        torch.autograd.grad(out, [leaves[k] for k in GRADS], torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
