@@ -2,10 +2,22 @@ import pytest
 import torch
 
 from laminae.primitives.elo_attention import elo_attention_reference
-from laminae.triton_ops.elo_attention import elo_attention
+from laminae.triton_ops.elo_attention import MATMUL_PASSES, elo_attention
 
-from ._attention import SHAPES, causal_flops, qkv, shape_id
+from ._attention import SHAPES, qkv, shape_id
 from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
+
+
+def matmul_passes(mode: str) -> int:
+    return MATMUL_PASSES["fwd"] + (MATMUL_PASSES["bwd"] if mode == "fwd+bwd" else 0)
+
+
+def elo_flops(shape, mode: str) -> float:
+    """2 FLOPs per multiply-add of every matmul the kernels run: each pass is a
+    [S, D]·[D, S] or [S, S]·[S, D] product over the causal half (the convention of
+    ``causal_flops``, so rates compare with SDPA's), per query head."""
+    b, s, h, _, d = shape
+    return matmul_passes(mode) * 2 * b * h * d * s * s / 2
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
@@ -17,8 +29,7 @@ def test_elo_attention(benchmark, provider, mode, shape):
     inputs["elo_log_k"] = torch.full((h,), 0.5, device=DEVICE)
     inputs["elo_gain"] = torch.full((h,), 0.2, device=DEVICE)
     grads = ["q", "k", "v", "elo_log_k", "elo_gain"]
-    # three passes over the score matrix forward
     run_benchmark(benchmark, name="elo_attention", provider=provider, mode=mode, op=elo_attention,
                   reference=elo_attention_reference, inputs=inputs, grad_names=grads,
-                  shape=shape_id(shape), flops=3 * causal_flops(shape))
-
+                  shape=shape_id(shape), flops=elo_flops(shape, mode))
+    benchmark.extra_info["matmul_passes"] = matmul_passes(mode)

@@ -18,13 +18,22 @@ GRADS = ["q", "k", "v", "elo_log_k", "elo_gain", "prior_rating"]
 OUTPUTS = ["out", "rating"]
 
 
+# Small tiles, so short sequences already walk several checkpointed query blocks and
+# key blocks (the default tiles would not cross a block boundary at these lengths).
+# Beside square ones, the shapes the bf16/fp16 GPU tiles take (backward key blocks
+# narrower than the query blocks and than the forward's), and the reverse.
+SMALL_TILES = {
+    "16x16": elo_triton.uniform(16, 16, 4, 2),
+    "32x32,bwd16": elo_triton.uniform(32, 32, 4, 2, suffix=(16, 4, 2), dq=(16, 4, 2), dkdv=(16, 4, 2)),
+    "16x32,bwd16": elo_triton.uniform(16, 32, 4, 2, suffix=(16, 4, 2), dq=(16, 4, 2)),
+    "32x16,dkdv32": elo_triton.uniform(32, 16, 4, 2, dkdv=(32, 4, 2)),
+}
+
+
 @contextmanager
-def _small_tiles():
-    """16-row query blocks and 16-wide key blocks, so short sequences already walk
-    several checkpointed query blocks and key blocks (the default tiles would not
-    cross a block boundary at these lengths)."""
+def _small_tiles(name: str = "16x16"):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(elo_triton, "tiles", lambda head_dim, dtype: (16, 16, 4, 4, 2))
+        mp.setattr(elo_triton, "tiles", lambda head_dim, dtype: SMALL_TILES[name])
         yield
 
 
@@ -61,11 +70,12 @@ heads = st.sampled_from([(1, 1), (2, 1), (4, 2)])
 
 @given(B=st.integers(1, 2), S=st.integers(1, 33), extra=st.integers(0, 12), heads=heads,
        D=st.sampled_from([8, 16, 32]), mask=st.sampled_from(["none", "ragged"]),
-       gain_scale=st.floats(0.0, 1.0), full_prior=st.booleans(), scale=scales, seed=seeds)
-def test_kernel_matches_reference_fp32(B, S, extra, heads, D, mask, gain_scale, full_prior, scale, seed):
+       gain_scale=st.floats(0.0, 1.0), full_prior=st.booleans(), scale=scales, seed=seeds,
+       tiles=st.sampled_from(sorted(SMALL_TILES)))
+def test_kernel_matches_reference_fp32(B, S, extra, heads, D, mask, gain_scale, full_prior, scale, seed, tiles):
     H, HKV = heads
     inp = _inputs(B, S, extra, H, HKV, D, mask, gain_scale, scale, seed, full_prior=full_prior)
-    with _small_tiles():
+    with _small_tiles(tiles):
         assert_parity(elo_attention, elo_attention_reference, inp, [n for n in GRADS if n in inp],
                       output_names=OUTPUTS)
 
