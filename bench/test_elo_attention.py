@@ -5,7 +5,7 @@ from laminae.primitives.elo_attention import elo_attention_reference
 from laminae.triton_ops.elo_attention import MATMUL_PASSES, elo_attention
 
 from ._attention import SHAPES, qkv, shape_id
-from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
+from ._harness import DEVICE, MODES, PROVIDERS, by_mode, run_benchmark
 
 
 def matmul_passes(mode: str) -> int:
@@ -31,5 +31,5 @@ def test_elo_attention(benchmark, provider, mode, shape):
     grads = ["q", "k", "v", "elo_log_k", "elo_gain"]
     run_benchmark(benchmark, name="elo_attention", provider=provider, mode=mode, op=elo_attention,
                   reference=elo_attention_reference, inputs=inputs, grad_names=grads,
-                  shape=shape_id(shape), flops=elo_flops(shape, mode))
+                  shape=shape_id(shape), flops=by_mode(elo_flops(shape, "fwd"), elo_flops(shape, "fwd+bwd")))
     benchmark.extra_info["matmul_passes"] = matmul_passes(mode)
