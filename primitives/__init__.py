@@ -24,6 +24,7 @@ from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_
 from .mom_read import MoMRead, MoMReadState, mom_read_reference
 from .elastic_decoder import ElasticCausalLM
 from .hybrid_attention import HybridAttention, HybridAttentionCache
+from .hybrid_attention import HybridAttentionOutput
 from .sliding_window import SlidingWindowAttention, SlidingWindowCache
 from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
@@ -32,6 +33,7 @@ from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spellin
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
 from .stack_memory import (StackMemory, StackMemoryCache, StackMemoryState, stack_memory_reference,
                            stack_scan_reference, stack_step_reference)
+from .stack_memory import StackMemoryOutput
 from .xsa import ExclusiveSelfAttention, xsa_reference
 
 from .decoder import (BRANCH_CALLS, BlockContext, Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
@@ -81,4 +83,5 @@ __all__ = [
     "GroupedSwiGLU", "SparseMoE", "MTPHead", "mtp_loss", "RMSNorm", "rms_norm",
     "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "SwiGLU",
     "AttentionSublayer", "PreNormLayer", "ScaledSublayer", "StreamDecoderModel",
+    "HybridAttentionOutput", "StackMemoryOutput",
 ]

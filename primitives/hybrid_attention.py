@@ -8,12 +8,15 @@ gives the kept tokens the positions they would have without it. The sparse path'
 load-balance loss goes to the decoder's aux losses, its MaxVio to the metrics
 (``max_vio``, the max over layers).
 
-``forward(x [B, N, d], attention_mask=None, cache=None) -> (out, lb, max_vio, cache)``;
-the cache is a :class:`HybridAttentionCache` (one per layer, immutable).
+``forward(x [B, N, d], attention_mask=None, cache=None) -> HybridAttentionOutput(output,
+cache, load_balance_loss, max_vio)``; the cache is a :class:`HybridAttentionCache` (one per
+layer, immutable). As for MoSRAH, ``cache=None`` is an uncached call and returns
+``cache=None``; decoding starts from ``HybridAttentionCache(SlidingWindowCache())``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -24,7 +27,7 @@ from .decoder import BRANCH_CALLS
 from .mosrah import MoSRAH, MoSRAHCache
 from .sliding_window import SlidingWindowAttention, SlidingWindowCache
 
-__all__ = ["HybridAttention", "HybridAttentionCache"]
+__all__ = ["HybridAttention", "HybridAttentionCache", "HybridAttentionOutput"]
 
 
 @dataclass(eq=False)
@@ -43,6 +46,15 @@ class HybridAttentionCache(DecodingCache):
     def reset(self) -> None:
         self.local.reset()
         self.sparse = None
+
+
+class HybridAttentionOutput(NamedTuple):
+    """What :class:`HybridAttention` returns: ``output, cache`` first, as every decoding block."""
+
+    output: torch.Tensor                     # [B, N, d] h_l + h_s
+    cache: HybridAttentionCache | None       # the advanced cache when one was passed, else None
+    load_balance_loss: torch.Tensor          # 0-dim, the sparse path's LB
+    max_vio: torch.Tensor                    # 0-dim, detached
 
 
 class HybridAttention(nn.Module):
@@ -71,12 +83,12 @@ class HybridAttention(nn.Module):
                                                   all_live=attention_mask is None)
         out = self.sparse_attention(x, positions, attention_mask, cache=sparse)
         new_cache = HybridAttentionCache(local_cache, out.cache) if cache is not None else None
-        return local + out.output, out.load_balance_loss, out.max_vio, new_cache
+        return HybridAttentionOutput(local + out.output, new_cache, out.load_balance_loss, out.max_vio)
 
 
 def _call_hybrid(module, h, ctx, state):
     state = (state or HybridAttentionCache(SlidingWindowCache())) if ctx.decoding else None
-    out, lb, vio, state = module(h, ctx.attention_mask, cache=state)
+    out, state, lb, vio = module(h, ctx.attention_mask, cache=state)
     ctx.aux_losses.append(lb)
     prev = ctx.metrics.get("max_vio")
     ctx.metrics["max_vio"] = vio if prev is None else torch.maximum(prev, vio)

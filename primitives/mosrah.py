@@ -453,10 +453,12 @@ class MoSRAHCache(DecodingCache):
 
 
 class MoSRAHOutput(NamedTuple):
+    """What :class:`MoSRAH` returns: ``output, cache`` first, as every decoding block."""
+
     output: torch.Tensor             # [B, N, d] sparse-path output h_s (0 at dead tokens)
+    cache: MoSRAHCache | None        # the advanced cache when one was passed, else None (not decoding)
     load_balance_loss: torch.Tensor  # 0-dim; its gradient reaches only router.expert_bias
     max_vio: torch.Tensor            # 0-dim, detached monitoring scalar
-    cache: MoSRAHCache | None        # the advanced cache when one was passed, else None
 
 
 class MoSRAHRouter(nn.Module):
@@ -532,18 +534,21 @@ class MoSRAH(nn.Module):
     ``forward(x, position_ids=None, attention_mask=None, cache=None) -> MoSRAHOutput``:
     ``x`` ``[B, N, d]`` (normalised), ``position_ids`` ``[B, N]`` integers (default:
     live-token count − 1, continuing a cache), ``attention_mask`` ``(B, N)`` keep mask.
-    Returns ``(output [B, N, d], load_balance_loss, max_vio, cache)``. Cached calls
-    (prefill and decode steps) run the PyTorch path on either backend.
+    Returns ``MoSRAHOutput(output [B, N, d], cache, load_balance_loss [], max_vio [])``.
+    ``cache=None`` is a training (uncached) call and returns ``cache=None``: the
+    per-head rotated keys and values a cache holds are storage the uncached kernels
+    never build, so decoding starts from :meth:`empty_cache` instead
+    (docs/protocol.md). Cached calls (prefill and decode steps) run the PyTorch path
+    on either backend.
 
     Example::
 
         mosrah = MoSRAH(512, num_mosrah_heads=16, num_selected_heads=4, head_dim=16)
-        out, lb, max_vio, _ = mosrah(x, attention_mask=keep)
+        out, _, lb, max_vio = mosrah(x, attention_mask=keep)
         loss = task_loss(out) + 0.01 * lb              # lb trains router.expert_bias only
 
-        cache = mosrah.empty_cache(batch)
-        out, _, _, cache = mosrah(x_prompt, cache=cache)
-        out, _, _, cache = mosrah(x_next, cache=cache)  # one token: [B, 1, d]
+        out, cache, *_ = mosrah(x_prompt, cache=mosrah.empty_cache(batch))
+        out, cache, *_ = mosrah(x_next, cache=cache)   # one token: [B, 1, d]
     """
 
     def __init__(self, embedding_width: int = 512, num_mosrah_heads: int = 16, num_selected_heads: int = 16,
@@ -683,7 +688,7 @@ class MoSRAH(nn.Module):
             out, lb, vio = mosrah(x, *params, position_ids, live, **kwargs)
         else:
             out, lb, vio = mosrah_reference(x, *params, position_ids, live, **kwargs)
-        return MoSRAHOutput(out, lb, vio, None)
+        return MoSRAHOutput(out, None, lb, vio)
 
     def _cached_forward(self, x: torch.Tensor, position_ids: torch.Tensor, live: torch.Tensor,
                         cache: MoSRAHCache) -> MoSRAHOutput:
@@ -721,4 +726,4 @@ class MoSRAH(nn.Module):
         per_copy = unpack_experts(y, packing, self.top_k)
         out = torch.einsum("bnk,bnkd->bnd", routing.weights.to(compute), per_copy)
         out = torch.where(live[..., None], out, 0.0).to(x.dtype)
-        return MoSRAHOutput(out, routing.load_balance_loss, routing.max_vio, new_cache)
+        return MoSRAHOutput(out, new_cache, routing.load_balance_loss, routing.max_vio)

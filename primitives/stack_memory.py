@@ -314,9 +314,11 @@ class StackMemoryCache(DecodingCache):
 
 
 class StackMemoryOutput(NamedTuple):
-    hidden_states: torch.Tensor
-    state: StackMemoryState
-    cache: StackMemoryCache | None
+    """What :class:`StackMemory` returns: ``output, cache`` first, as every decoding block."""
+
+    output: torch.Tensor                 # [B, T, D] the augmented branch input, x's dtype
+    cache: StackMemoryCache | None       # temporal mode: the stack after the last token; depth mode: None
+    state: StackMemoryState              # for the next layer (depth stack, entropy sums)
 
 
 # ----------------------------------------------------------------------------
@@ -347,18 +349,21 @@ class StackMemory(nn.Module):
     ``up_proj`` Linear(H·d → D), all N(0, 0.02²); ``gate`` [d] N(0, 0.02²);
     ``res_weight`` [] = 1. Count without bias 2·D·H·d + 3H·D + d + 1.
 
-    ``forward(x, state=None, attention_mask=None, cache=None) -> (hidden_states, state, cache)``:
+    ``forward(x, state=None, attention_mask=None, cache=None) -> StackMemoryOutput(output, cache, state)``:
     ``x`` ``[B, T, D]`` fp32/bf16/fp16, the attention-branch input (the residual stream
     is left to the caller); ``state`` the previous layer's :class:`StackMemoryState`
     (None before the first layer); ``cache`` (temporal mode only) a
-    :class:`StackMemoryCache` from :meth:`allocate_cache` or a previous call.
+    :class:`StackMemoryCache` from :meth:`allocate_cache` or a previous call. Returns
+    ``output`` ``[B, T, D]`` in x's dtype; ``cache`` (temporal mode: the stack after this
+    call's last token, also for ``cache=None``, a fixed ``[B, H, S, d]``; depth mode:
+    None, tokens share no state); ``state`` for the next layer.
 
     Example::
 
         layers = [StackMemory(512) for _ in range(12)]
         state = None
         for layer, block in zip(layers, blocks):
-            h_aug, state, _ = layer(norm(h), state, attention_mask)
+            h_aug, _, state = layer(norm(h), state, attention_mask)
             h = h + block(h_aug)
         loss = lm_loss + layers[0].aux_loss(state)
     """
@@ -550,4 +555,4 @@ class StackMemory(nn.Module):
             # detached: decoding is inference (differentiate through state with the functional op)
             new_cache = StackMemoryCache(self.cache_config, new_stack.detach(), new_mask.detach(),
                                          (0 if cache is None else cache.length) + T)
-        return StackMemoryOutput(out.to(out_dtype), new_state, new_cache)
+        return StackMemoryOutput(out.to(out_dtype), new_cache, new_state)

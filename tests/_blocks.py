@@ -1,6 +1,8 @@
 """The decoding blocks, built small, behind one calling shape for the protocol tests:
-``run(block, x, mask, cache) -> (out, cache)`` where ``x`` is a ``[B, T, HIDDEN]``
-activation from which each block takes the inputs it needs."""
+``block.call(module, x, mask, cache)`` is the block's own forward (``x`` a
+``[B, T, HIDDEN]`` activation from which each block takes the inputs it needs), and
+``block.run(...) -> (out, cache)`` reads its ``[0]`` and ``[1]``: every protocol test
+relies on that order."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,16 +29,29 @@ def _qkv(x: torch.Tensor):
 class Block:
     name: str
     build: Callable[[str], torch.nn.Module]
-    run: Callable  # (module, x, mask, cache) -> (out, cache)
+    call: Callable  # (module, x, mask, cache) -> the block's forward result, as it returns it
     masked: bool = True   # takes an attention_mask
+    # the documented empty cache of a block whose cache=None call returns no cache
+    # (docs/protocol.md: its cache is storage only decoding needs); None: a cache=None
+    # call returns a cache built from the call
+    start: Callable | None = None   # (module, x) -> empty cache
+
+    def run(self, module, x, mask, cache):
+        """``(out, cache)`` read by position, ``[0]`` and ``[1]``, as the protocol promises.
+        Without a cache: the uncached forward's output and the cache to continue from
+        (a block without a cheap cache prefills its empty cache for it)."""
+        res = self.call(module, x, mask, cache)
+        if cache is None and self.start is not None:
+            return res[0], self.call(module, x, mask, self.start(module, x))[1]
+        return res[0], res[1]
 
 
-def _attention_run(module, x, mask, cache):
+def _attention_call(module, x, mask, cache):
     q, k, v = _qkv(x)
     return module(q, k, v, mask, cache=cache)
 
 
-def _affine_run(module, x, mask, cache):
+def _affine_call(module, x, mask, cache):
     q, k, v = _qkv(x)
     return module(x, q, k, v, mask, cache=cache)
 
@@ -44,43 +59,37 @@ def _affine_run(module, x, mask, cache):
 BANK = MoMRead.init_bank(4, 2, HIDDEN, generator=torch.Generator().manual_seed(0))
 
 
-def _mom_run(module, x, mask, cache):
-    out, cache = module(x, BANK.to(x.dtype), mask, cache=cache)
-    return out, cache
+def _mom_call(module, x, mask, cache):
+    return module(x, BANK.to(x.dtype), mask, cache=cache)
 
 
-def _engram_run(module, x, mask, cache):
-    res = module(x, cache=cache)
-    return res.output, res.cache
+def _engram_call(module, x, mask, cache):
+    return module(x, cache=cache)
 
 
-def _mc_run(module, x, mask, cache):
+def _mc_call(module, x, mask, cache):
     return module(x, mask, cache=cache)
 
 
-def _stack_run(module, x, mask, cache):
-    out, _, cache = module(x, attention_mask=mask, cache=cache)
-    return out, cache
+def _stack_call(module, x, mask, cache):
+    return module(x, attention_mask=mask, cache=cache)
 
 
-def _mosrah_run(module, x, mask, cache):
-    # without a cache the full forward (training path); a decoding cache starts from
-    # the layer's empty_cache, so the prefill also returns the cache to continue from
-    if cache is None:
-        full = module(x, attention_mask=mask)
-        cached = module(x, attention_mask=mask, cache=module.empty_cache(x.shape[0], dtype=x.dtype))
-        return full.output, cached.cache
-    res = module(x, attention_mask=mask, cache=cache)
-    return res.output, res.cache
+def _mosrah_call(module, x, mask, cache):
+    return module(x, attention_mask=mask, cache=cache)
 
 
-def _hybrid_run(module, x, mask, cache):
-    # SHRAM's attention sub-layer: as MoSRAH, a decoding cache starts empty
-    if cache is None:
-        full = module(x, mask)[0]
-        return full, module(x, mask, cache=HybridAttentionCache(SlidingWindowCache()))[3]
-    out = module(x, mask, cache=cache)
-    return out[0], out[3]
+def _mosrah_start(module, x):
+    return module.empty_cache(x.shape[0], dtype=x.dtype)
+
+
+def _hybrid_call(module, x, mask, cache):
+    # SHRAM's attention sub-layer; as MoSRAH, a decoding cache starts empty
+    return module(x, mask, cache=cache)
+
+
+def _hybrid_start(module, x):
+    return HybridAttentionCache(SlidingWindowCache())
 
 
 def _hybrid(backend):
@@ -102,22 +111,23 @@ def _scaled(module):
 
 
 BLOCKS = [
-    Block("derf", lambda be: _scaled(DERFAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_run),
+    Block("derf", lambda be: _scaled(DERFAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_call),
     Block("affine_scaled_attention",
           lambda be: _scaled(AffineScaledAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, alpha_ma_init=0.4,
-                                                   initializer_range=0.3, backend=be)), _affine_run),
-    Block("elo_attention", lambda be: _scaled(EloAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_run),
-    Block("lucid_attention", lambda be: LucidAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be), _attention_run),
+                                                   initializer_range=0.3, backend=be)), _affine_call),
+    Block("elo_attention", lambda be: _scaled(EloAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_call),
+    Block("lucid_attention", lambda be: LucidAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be), _attention_call),
     Block("memory_caching", lambda be: MemoryCacheBranch(HIDDEN, 2, 4, segment_len=3, gate_dim=4, backend=be).eval(),
-          _mc_run),
-    Block("mom_read", lambda be: _mom(be), _mom_run),
+          _mc_call),
+    Block("mom_read", lambda be: _mom(be), _mom_call),
     Block("engram", lambda be: EngramModule(HIDDEN, 8, num_heads=2, table_size=31, gate_init_bias=0.5,
-                                            backend=be).eval(), _engram_run, masked=False),
+                                            backend=be).eval(), _engram_call, masked=False),
     Block("stack_memory", lambda be: _scaled(StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4,
-                                                         mode="temporal", backend=be)), _stack_run),
+                                                         mode="temporal", backend=be)), _stack_call),
     Block("mosrah", lambda be: MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM,
-                                      training_sequence_length=32, backend=be).eval(), _mosrah_run),
-    Block("hybrid_attention", _hybrid, _hybrid_run),
+                                      training_sequence_length=32, backend=be).eval(), _mosrah_call,
+          start=_mosrah_start),
+    Block("hybrid_attention", _hybrid, _hybrid_call, start=_hybrid_start),
 ]
 BY_NAME = {b.name: b for b in BLOCKS}
 

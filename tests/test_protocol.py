@@ -3,14 +3,16 @@ autocast, named errors, exports. Each test guards a silent wrong result or a
 convention a new user relies on; shapes are tiny, reference backend unless the
 kernel path is the point."""
 import importlib
+import inspect
 import math
 
 import pytest
 import torch
 
-from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigError, DERFAttention, DTypeError,
-                                EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL, MoMRead, MoSRAH,
-                                SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend, use_backend)
+from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigError, DecodingCache, DERFAttention,
+                                DTypeError, EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL,
+                                MoMRead, MoSRAH, SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend,
+                                use_backend)
 from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.primitives.laurel import laurel_reference
 
@@ -21,6 +23,62 @@ MASKED = [b for b in BLOCKS if b.masked]
 
 def _x(B=2, T=7, seed=0):
     return torch.randn(B, T, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------
+# One return convention: [0] the output, [1] the cache
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.name)
+def test_forward_returns_output_then_cache(block):
+    """``forward(..., cache=None) -> (output, cache, ...)``: a block that put anything
+    else at ``[1]`` (MoSRAH's load-balance loss, StackMemory's depth state) fails here.
+    ``[1]`` of an uncached call is a cache built from it, or None for the documented
+    blocks whose cache is storage only decoding needs; a cached call always returns
+    a new cache holding its tokens too."""
+    m = block.build("reference")
+    x = _x(T=5)
+    with torch.no_grad():
+        first = block.call(m, x, None, None)
+        assert isinstance(first, tuple) and len(first) >= 2
+        if hasattr(first, "_fields"):
+            assert first._fields[:2] == ("output", "cache")
+        assert torch.is_tensor(first[0]) and first[0].shape[:2] == (2, 5)
+        if block.start is None:
+            assert isinstance(first[1], DecodingCache) and first[1].length == 5
+            cache = first[1]
+        else:
+            assert first[1] is None
+            cache = block.call(m, x, None, block.start(m, x))[1]
+            assert isinstance(cache, DecodingCache) and cache.length == 5
+        step = block.call(m, x[:, :1], None, cache)
+    assert type(step) is type(first) and torch.is_tensor(step[0]) and step[0].shape[:2] == (2, 1)
+    assert isinstance(step[1], DecodingCache) and step[1] is not cache and step[1].length == 6
+    assert cache.length == 5
+
+
+def _takes_cache(cls) -> bool:
+    return isinstance(cls, type) and issubclass(cls, torch.nn.Module) and \
+        "cache" in inspect.signature(cls.forward).parameters
+
+
+# decoding modules outside tests/_blocks.py and why; a new one must join BLOCKS or this list
+NOT_IN_BLOCKS = {
+    "GroupedQueryAttention": "AttentionOutput(output, cache, depth_entry); its cores are blocks",
+    "SlidingWindowAttention": "SHRAM's local path, checked through hybrid_attention",
+    "DecoderModel": "a model: DecoderOutput(hidden, cache, ...), read by name",
+    "CausalLM": "a model: LMOutput(logits, ...), read by name",
+    "ElasticCausalLM": "a model: LMOutput",
+    "StreamDecoderModel": "a model: DecoderOutput",
+}
+
+
+def test_every_decoding_block_is_checked():
+    primitives = importlib.import_module("laminae.primitives")
+    decoding = {name for name in primitives.__all__ if _takes_cache(getattr(primitives, name))}
+    covered = {type(block.build("reference")).__name__ for block in BLOCKS}
+    assert decoding - covered == set(NOT_IN_BLOCKS), "add the block to tests/_blocks.py"
 
 
 # ----------------------------------------------------------------------------
@@ -112,15 +170,25 @@ def test_additive_mask_is_refused(block):
         block.run(block.build("reference"), _x(T=5), additive, None)
 
 
+def _padding(layout: str) -> torch.Tensor:
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    if layout == "left+hole":
+        mask[0, :2] = False      # left padding
+        mask[1, 3] = False       # a hole
+    else:                        # right padding: the last positions dropped, ragged
+        mask[0, 4:] = False
+        mask[1, 5:] = False
+    return mask
+
+
+@pytest.mark.parametrize("layout", ["left+hole", "right"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("block", MASKED, ids=lambda b: b.name)
-def test_nan_in_padding_never_reaches_kept_tokens(block, backend):
+def test_nan_in_padding_never_reaches_kept_tokens(block, backend, layout):
     """LUCID and Memory Caching multiplied padded contents by 0 (0·NaN = NaN)."""
     m = block.build(backend)
     x = _x(T=6)
-    mask = torch.ones(2, 6, dtype=torch.bool)
-    mask[0, :2] = False      # left padding
-    mask[1, 3] = False       # a hole
+    mask = _padding(layout)
     poisoned = torch.where(mask[..., None], x, torch.full_like(x, float("nan")))
     with torch.no_grad():
         clean, _ = block.run(m, torch.where(mask[..., None], x, torch.zeros_like(x)), mask, None)

@@ -108,19 +108,19 @@ def test_zero_gate_or_up_projection_is_identity():
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
         m.res_weight.zero_()
-    torch.testing.assert_close(m(x).hidden_states, x, rtol=0, atol=0)
+    torch.testing.assert_close(m(x).output, x, rtol=0, atol=0)
     m = _module()
     with torch.no_grad():
         m.up_proj.weight.zero_()
-    torch.testing.assert_close(m(x).hidden_states, x, rtol=0, atol=0)
+    torch.testing.assert_close(m(x).output, x, rtol=0, atol=0)
 
 
 def test_depth_mode_is_token_independent():
     m = _module()
     x = torch.randn(2, 7, 32)
     perm = torch.randperm(7)
-    out, state, _ = m(x)
-    out_p, state_p, _ = m(x[:, perm])
+    out, _, state = m(x)
+    out_p, _, state_p = m(x[:, perm])
     torch.testing.assert_close(out_p, out[:, perm])
     torch.testing.assert_close(state_p.stack, state.stack[:, perm])
     # decoding in depth mode: a new token alone gives what it gives inside the sequence
@@ -131,10 +131,10 @@ def test_depth_mode_is_token_independent():
 def test_temporal_mode_is_causal():
     m = _module(mode="temporal")
     x = torch.randn(2, 9, 32)
-    y = m(x).hidden_states
+    y = m(x).output
     x2 = x.clone()
     x2[:, 5] += 3.0
-    y2 = m(x2).hidden_states
+    y2 = m(x2).output
     torch.testing.assert_close(y2[:, :5], y[:, :5], rtol=0, atol=0)
     assert not torch.allclose(y2[:, 5:], y[:, 5:])
 
@@ -204,8 +204,8 @@ def test_padding_contents_never_reach_kept_tokens(mode):
     keep = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 0, 1, 1]], dtype=torch.bool)
     x_nan = torch.where(keep[..., None], x, torch.full_like(x, float("nan")))
     x_big = torch.where(keep[..., None], x, torch.full_like(x, 1e4))
-    y1, s1, _ = m(x_nan, attention_mask=keep)
-    y2, s2, _ = m(x_big, attention_mask=keep)
+    y1, _, s1 = m(x_nan, attention_mask=keep)
+    y2, _, s2 = m(x_big, attention_mask=keep)
     torch.testing.assert_close(y1[keep], y2[keep], rtol=0, atol=0)
     assert torch.isfinite(s1.entropy_sum) and torch.equal(s1.entropy_sum, s2.entropy_sum)
     y1.masked_fill(~keep[..., None], 0.0).sum().backward()
@@ -219,7 +219,7 @@ def test_temporal_left_padding_equals_unpadded():
     x = torch.randn(1, 5, 32)
     padded = torch.cat([torch.randn(1, 3, 32), x], dim=1)
     keep = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]], dtype=torch.bool)
-    torch.testing.assert_close(m(padded, attention_mask=keep).hidden_states[:, 3:], m(x).hidden_states)
+    torch.testing.assert_close(m(padded, attention_mask=keep).output[:, 3:], m(x).output)
 
 
 # ----------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def test_state_threads_over_layers_like_the_spec_recurrence():
     stack = mask = None
     entropies = []
     for layer in layers:
-        _, state, _ = layer(x, state, keep)
+        _, _, state = layer(x, state, keep)
         ref = stack_memory_reference(x, *layer._params()[:5], stack, mask, keep, num_heads=2, num_slots=4)
         _, stack, mask, ent = ref
         entropies.append(ent[keep])
@@ -255,7 +255,7 @@ def test_entropy_loss_decreases_entropy_when_minimised():
     opt = torch.optim.SGD(m.parameters(), lr=5.0)
     first = None
     for _ in range(5):
-        _, state, _ = m(x)
+        _, _, state = m(x)
         loss = m.aux_loss(state)
         first = float(loss) if first is None else first
         opt.zero_grad()
@@ -270,12 +270,12 @@ def test_temporal_prefill_then_steps_equals_full_forward(read_mode):
     x = torch.randn(2, 9, 32)
     keep = torch.ones(2, 9, dtype=torch.bool)
     keep[0, :2] = False
-    full = m(x, attention_mask=keep).hidden_states
+    full = m(x, attention_mask=keep).output
     cache = m.allocate_cache(2)
-    y, _, cache = m(x[:, :4], attention_mask=keep[:, :4], cache=cache)
+    y, cache, _ = m(x[:, :4], attention_mask=keep[:, :4], cache=cache)
     outs = [y]
     for t in range(4, 9):
-        y, _, cache = m(x[:, t:t + 1], attention_mask=keep[:, t:t + 1], cache=cache)
+        y, cache, _ = m(x[:, t:t + 1], attention_mask=keep[:, t:t + 1], cache=cache)
         outs.append(y)
     assert cache.length == 9
     torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-6, atol=1e-6)
@@ -285,25 +285,25 @@ def test_two_branches_from_one_cache_are_independent():
     m = _module(mode="temporal")
     x = torch.randn(2, 6, 32)
     a, b = torch.randn(2, 1, 32), torch.randn(2, 1, 32)
-    _, _, cache = m(x, cache=m.allocate_cache(2))
+    _, cache, _ = m(x, cache=m.allocate_cache(2))
     before = cache.stack.clone(), cache.stack_mask.clone(), cache.length
-    ya, _, cache_a = m(a, cache=cache)
-    yb, _, cache_b = m(b, cache=cache)
+    ya, cache_a, _ = m(a, cache=cache)
+    yb, cache_b, _ = m(b, cache=cache)
     assert isinstance(cache_a, StackMemoryCache) and cache_a is not cache and cache_b is not cache
     assert torch.equal(cache.stack, before[0]) and torch.equal(cache.stack_mask, before[1])
     assert cache.length == before[2]
-    torch.testing.assert_close(ya, m(torch.cat([x, a], 1)).hidden_states[:, -1:], rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(yb, m(torch.cat([x, b], 1)).hidden_states[:, -1:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ya, m(torch.cat([x, a], 1)).output[:, -1:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(yb, m(torch.cat([x, b], 1)).output[:, -1:], rtol=1e-6, atol=1e-6)
     # and a third step continues branch a, not b
     c = torch.randn(2, 1, 32)
     yc, _, _ = m(c, cache=cache_a)
-    torch.testing.assert_close(yc, m(torch.cat([x, a, c], 1)).hidden_states[:, -1:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(yc, m(torch.cat([x, a, c], 1)).output[:, -1:], rtol=1e-6, atol=1e-6)
 
 
 def test_cache_reset_does_not_touch_sibling_caches():
     m = _module(mode="temporal")
-    _, _, cache = m(torch.randn(1, 4, 32), cache=m.allocate_cache(1))
-    _, _, child = m(torch.randn(1, 1, 32), cache=cache)
+    _, cache, _ = m(torch.randn(1, 4, 32), cache=m.allocate_cache(1))
+    _, child, _ = m(torch.randn(1, 1, 32), cache=cache)
     snapshot = child.stack.clone()
     cache.reset()
     assert cache.length == 0 and float(cache.stack.abs().sum()) == 0.0
@@ -327,9 +327,9 @@ def test_autocast_bf16_runs_and_returns_the_autocast_dtype(backend):
     x = torch.randn(2, 5, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = torch.nn.functional.linear(x, torch.eye(32))   # a bf16 activation, as inside a model
-        out, state, _ = m(h)
+        out, _, state = m(h)
     assert out.dtype == torch.bfloat16 and state.stack.dtype == torch.float32
-    torch.testing.assert_close(out.float(), m(h.float()).hidden_states, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), m(h.float()).output, atol=2e-2, rtol=2e-2)
 
 
 # ----------------------------------------------------------------------------
@@ -377,13 +377,13 @@ def test_bad_inputs_raise_named_errors():
 def test_state_from_another_configuration_raises():
     m = _module()
     x = torch.randn(2, 5, 32)
-    _, state, _ = _module(stack_slots=5)(x)
+    _, _, state = _module(stack_slots=5)(x)
     with pytest.raises(ConfigError, match="another StackMemory configuration"):
         m(x, state)
-    _, state, _ = _module(mode="temporal")(x)
+    _, _, state = _module(mode="temporal")(x)
     with pytest.raises(ConfigError, match="another StackMemory configuration"):
         m(x, state)
-    _, state, _ = m(x)
+    _, _, state = m(x)
     with pytest.raises(ShapeError, match="state.stack"):
         m(torch.randn(2, 4, 32), state)
     bad = StackMemoryState(state.config, state.stack.double().half(), state.stack_mask, state.entropy_sum,
@@ -418,7 +418,7 @@ def test_device_mismatch_raises():
 def test_device_mismatch_of_the_state_raises_on_meta():
     m = _module()
     x = torch.randn(2, 5, 32)
-    _, state, _ = m(x)
+    _, _, state = m(x)
     moved = StackMemoryState(state.config, state.stack.to("meta"), state.stack_mask.to("meta"),
                              state.entropy_sum, state.entropy_count)
     with pytest.raises(DeviceError, match="state.stack"):
@@ -429,16 +429,16 @@ def test_device_mismatch_of_the_state_raises_on_meta():
 
 def test_float64_module_keeps_float64():
     m = _module().double()
-    out, state, _ = m(torch.randn(2, 3, 32, dtype=torch.float64))
+    out, _, state = m(torch.randn(2, 3, 32, dtype=torch.float64))
     assert out.dtype == torch.float64 and state.stack.dtype == torch.float64
-    _, state2, _ = m(torch.randn(2, 3, 32, dtype=torch.float64), state)
+    _, _, state2 = m(torch.randn(2, 3, 32, dtype=torch.float64), state)
     assert state2.num_layers == 2
 
 
 def test_action_temperature_is_sqrt_of_hidden_per_head():
     m = _module()
     x = torch.randn(1, 3, 32)
-    _, state, _ = m(x)
+    _, _, state = m(x)
     logits = torch.nn.functional.linear(x, m.action_head.weight).view(1, 3, 2, 3) / math.sqrt(32 / 2)
     _, entropy = stack_actions_reference(logits)
     torch.testing.assert_close(state.entropy_sum, entropy.sum())

@@ -98,7 +98,7 @@ def test_module_backends_agree_with_nan_padding_and_state_over_layers():
         state, h = None, x
         for layer in layers:
             layer.backend = backend
-            h, state, _ = layer(h, state, keep)
+            h, _, state = layer(h, state, keep)
         loss = h.masked_fill(~keep[..., None], 0).square().sum() + layers[0].aux_loss(state)
         params = [p for layer in layers for p in layer.parameters()]
         results.append((h[keep], loss, torch.autograd.grad(loss, [x, *params])))
@@ -113,11 +113,11 @@ def test_temporal_decoding_with_triton_equals_full_forward():
     torch.manual_seed(1)
     m = StackMemory(16, stack_d_model=8, num_mem_heads=2, stack_slots=6, mode="temporal", backend="triton").to(DEVICE)
     x = torch.randn(2, 7, 16, device=DEVICE)
-    full = m(x).hidden_states
-    y, _, cache = m(x[:, :3], cache=m.allocate_cache(2))
+    full = m(x).output
+    y, cache, _ = m(x[:, :3], cache=m.allocate_cache(2))
     outs = [y]
     for t in range(3, 7):
-        y, _, cache = m(x[:, t:t + 1], cache=cache)
+        y, cache, _ = m(x[:, t:t + 1], cache=cache)
         outs.append(y)
     diff = (torch.cat(outs, 1) - full).abs().max()
     assert float(diff.detach()) < 1e-5, diff
@@ -190,9 +190,9 @@ def test_compile_fullgraph_smoke(mode):
     m = StackMemory(512, mode=mode).cuda()
     x = torch.randn(2, 64, 512, device="cuda", requires_grad=True)
     compiled = torch.compile(m, fullgraph=True)
-    out, state, _ = compiled(x)
+    out, _, state = compiled(x)
     (out.sum() + m.aux_loss(state)).backward()
-    torch.testing.assert_close(out, m(x).hidden_states)
+    torch.testing.assert_close(out, m(x).output)
 
 
 @pytest.mark.gpu
@@ -200,5 +200,5 @@ def test_cuda_autocast_bf16():
     m = StackMemory(512).cuda()
     x = torch.randn(2, 64, 512, device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        out, state, _ = m(torch.nn.functional.linear(x, torch.eye(512, device="cuda")))
+        out, _, state = m(torch.nn.functional.linear(x, torch.eye(512, device="cuda")))
     assert out.dtype == torch.bfloat16 and state.stack.dtype == torch.float32
