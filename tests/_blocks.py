@@ -50,7 +50,7 @@ def _mom_run(module, x, mask, cache):
 
 
 def _engram_run(module, x, mask, cache):
-    res = module(x, cache=cache)
+    res = module(x, cache=cache, attention_mask=mask)
     return res.output, res.cache
 
 
@@ -112,7 +112,7 @@ BLOCKS = [
           _mc_run),
     Block("mom_read", lambda be: _mom(be), _mom_run),
     Block("engram", lambda be: EngramModule(HIDDEN, 8, num_heads=2, table_size=31, gate_init_bias=0.5,
-                                            backend=be).eval(), _engram_run, masked=False),
+                                            backend=be).eval(), _engram_run),
     Block("stack_memory", lambda be: _scaled(StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4,
                                                          mode="temporal", backend=be)), _stack_run),
     Block("mosrah", lambda be: MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM,
