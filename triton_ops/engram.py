@@ -412,17 +412,23 @@ def _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR: tl.conste
 
 
 @triton.jit
+def _load_gate_rows(hd_ptr, kp_ptr, v_ptr, rows, cols, N, F_DIM):
+    mask = (rows < N)[:, None] & (cols < F_DIM)[None, :]
+    offs = rows[:, None] * F_DIM + cols[None, :]
+    hd = tl.load(hd_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    kp = tl.load(kp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return hd, kp, v, mask, offs
+
+
+@triton.jit
 def _fusion_gate_fwd_kernel(hd_ptr, kp_ptr, v_ptr, wh_ptr, wk_ptr, out_ptr, N, F_DIM, eps, sqrt_f,
                             GATE_FLOOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_F)
     col_mask = cols < F_DIM
-    mask = (rows < N)[:, None] & col_mask[None, :]
-    offs = rows[:, None] * F_DIM + cols[None, :]
-    hd = tl.load(hd_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    kp = tl.load(kp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    hd, kp, v, mask, offs = _load_gate_rows(hd_ptr, kp_ptr, v_ptr, rows, cols, N, F_DIM)
     wh = tl.load(wh_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     wk = tl.load(wk_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     _, _, _, _, _, gate = _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR)
@@ -446,11 +452,7 @@ def _fusion_gate_bwd_kernel(g_ptr, hd_ptr, kp_ptr, v_ptr, wh_ptr, wk_ptr, dhd_pt
     dwk = tl.zeros((BLOCK_F,), dtype=tl.float32)
     for start in range(pid * BLOCK_M, N, num_progs * BLOCK_M):
         rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
-        mask = (rows < N)[:, None] & col_mask[None, :]
-        offs = rows[:, None] * F_DIM + cols[None, :]
-        hd = tl.load(hd_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        kp = tl.load(kp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        hd, kp, v, mask, offs = _load_gate_rows(hd_ptr, kp_ptr, v_ptr, rows, cols, N, F_DIM)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         rh, rk, hn, kn, abs_a, gate = _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR)
         tl.store(dv_ptr + offs, (g * gate[:, None]).to(dv_ptr.dtype.element_ty), mask=mask)
