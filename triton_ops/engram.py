@@ -92,8 +92,7 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, fit_ptr, acc_ptr, out
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < N
-    t = P + rows % S                      # position in the prefix-extended sequence
-    base = (rows // S) * S_FULL           # first row of this batch element in `c`
+    cur = (rows // S) * S_FULL + P + rows % S   # this position's row in the prefix-extended `c`
     # orders that fit: min(N, kept run ending at t); 0 on padding, whose row reads zeros
     fit = tl.load(fit_ptr + rows, mask=row_mask, other=0)
     bits = tl.arange(0, BLOCK_BITS)
@@ -109,7 +108,7 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, fit_ptr, acc_ptr, out
         a = tl.zeros((BLOCK_M, BLOCK_BITS), dtype=tl.float32)
         for k in range(0, n):
             slot = (n * (n - 1)) // 2 + k
-            src = base + t - (n - 1) + k
+            src = cur - (n - 1) + k
             proj_rows = ((slot * H + head) * BITS + bits).to(tl.int64)
             term = tl.zeros((BLOCK_M, BLOCK_BITS), dtype=tl.float32)
             for c0 in range(0, DC, BLOCK_C):
