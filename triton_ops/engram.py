@@ -99,7 +99,7 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, fit_ptr, acc_ptr, out
     bit_mask = bits < BITS
     bit_w = tl.load(bw_ptr + bits, mask=bit_mask, other=0.0)
     ng = tl.arange(0, BLOCK_NG)
-    ids_all = tl.full((BLOCK_M, BLOCK_NG), -1, tl.int64)
+    ids_all = tl.full((BLOCK_M, BLOCK_NG), -1, tl.int32)   # codes < 2^24: int32 keeps registers free
 
     # phase 1: hash every order, keep the bucket ids in registers
     for n in range(1, MAX_NGRAM + 1):
@@ -124,8 +124,8 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, fit_ptr, acc_ptr, out
             code = tl.sum(tl.where(bits[None, :] == 0, tl.abs(a), 0.0), axis=1)
         else:
             code = tl.sum(tl.where((a > 0) & bit_mask[None, :], bit_w[None, :], 0.0), axis=1)
-        idx = tl.where(valid, code.to(tl.int64) % T, -1)
-        tl.store(ids_ptr + rows * (MAX_NGRAM * H) + (n - 1) * H + head, idx, mask=row_mask)
+        idx = tl.where(valid, code.to(tl.int32) % T, -1)
+        tl.store(ids_ptr + rows * (MAX_NGRAM * H) + (n - 1) * H + head, idx.to(tl.int64), mask=row_mask)
         ids_all = tl.where(ng[None, :] == n - 1, idx[:, None], ids_all)
 
     # phase 2: gather and sum this head's rows, D in chunks
@@ -141,7 +141,8 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, fit_ptr, acc_ptr, out
         for n in range(0, MAX_NGRAM):
             idx = tl.sum(tl.where(ng[None, :] == n, ids_all, 0), axis=1)
             hit = mask & (idx >= 0)[:, None]
-            acc += tl.load(table_ptr + idx[:, None] * D + cols[None, :], mask=hit, other=0.0).to(tl.float32)
+            acc += tl.load(table_ptr + idx.to(tl.int64)[:, None] * D + cols[None, :], mask=hit,
+                           other=0.0).to(tl.float32)
         if LAST:
             tl.store(out_ptr + offs, (acc * inv_count[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
         else:
