@@ -106,13 +106,13 @@ def test_lookup_matches_reference_fp32(batch, seq, heads, max_ngram, table_size,
 def test_table_gradient_is_reproducible_and_independent_of_chunking(batch, seq, heads, max_ngram, table_size, dc, d,
                                                                    prefix_len, legacy, scale, seed):
     inp = _lookup_inputs(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy, scale, seed)
+    tables = inp["tables"].clone().requires_grad_()
+    out = engram_lookup(**(inp | {"tables": tables}))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
     grads = []
-    for block_e in (32, 16, 16):
-        tables = inp["tables"].clone().requires_grad_()
+    for block_e in (32, 16, 16):  # the chunk is chosen when the backward runs
         with bwd_chunk(block_e):
-            out = engram_lookup(**(inp | {"tables": tables}))
-            g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
-            grads.append(torch.autograd.grad(out, tables, g)[0])
+            grads.append(torch.autograd.grad(out, tables, g, retain_graph=True)[0])
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-5)
     assert torch.equal(grads[1], grads[2])  # no atomics: reproducible bit for bit
 
@@ -388,9 +388,9 @@ def test_a_hole_restarts_the_ngrams(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("prefill", [1, 3, 4, 6])
+@pytest.mark.parametrize("prefill", [1, 4])
 def test_left_padded_prefill_then_steps_equals_the_unpadded_run(backend, prefill):
-    """Row 0 has 3 pads: a prefill of 1, 3 or 4 positions leaves padding inside the
+    """Row 0 has 3 pads: a prefill of 1 or 4 positions leaves padding inside the
     cached n-gram window, which the steps after it must not read across."""
     engram = _masked_engram(backend)
     x = torch.randn(2, 9, 24, generator=torch.Generator().manual_seed(2)).to(DEVICE)
