@@ -338,7 +338,8 @@ class DecoderModel(nn.Module):
         input_state = None
         if self.input_stage is not None:
             stage = getattr(self, self.input_stage)
-            out, input_state, ctx.shared["ngram"] = stage(x, cache=cache.input_state if cache is not None else None)
+            out, input_state, ctx.shared["ngram"] = stage(x, cache=cache.input_state if cache is not None else None,
+                                                          attention_mask=attention_mask)
             x = x + out
         if self.hc_mult > 1:
             x = expand_streams(x, self.hc_mult)

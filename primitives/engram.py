@@ -13,6 +13,14 @@ The read is the mean of the addressed table rows over heads and the orders that 
 
     out[t] = Σ_{n ≤ min(N, t+1)} Σ_h  table_h[id[t, n, h]]  /  (H · min(N, t+1))
 
+Padding (``attention_mask``, the ``(batch, seq)`` keep mask): a dropped position acts
+as a sequence boundary. The orders read at ``t`` are those whose window holds only kept
+positions, ``n ≤ fit[t] = min(N, run[t])`` with ``run[t]`` the number of consecutive kept
+positions ending at ``t``, and the read divides by ``H · fit[t]``: the first tokens after
+padding read exactly as the first tokens of an unpadded sequence, so a left-padded row
+equals the unpadded row, and a hole restarts the n-grams. Dropped positions read zeros,
+are never hashed into a kept position's n-gram and send no gradient to the tables.
+
 ``legacy_trunc`` reproduces the pre-sign-LSH hash (``|Σ_k ⟨c, w_{n,k}[h]⟩|`` truncated
 to an integer, one hyperplane per head) so old checkpoints read bit-identically.
 
@@ -37,8 +45,8 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import (check_param_dtype, check_positive_int, check_same_device, check_same_dtype, check_tensor,
-                          match_activation_dtypes, without_autocast)
+from ._validation import (check_keep_mask, check_param_dtype, check_positive_int, check_same_device, check_tensor,
+                          match_activation_dtypes, zero_padding)
 
 __all__ = [
     "engram_hash_bits",
@@ -49,6 +57,7 @@ __all__ = [
     "engram_fusion_gate_reference",
     "engram_fusion_reference",
     "engram_next_prefix",
+    "engram_orders_that_fit",
     "EngramCache",
     "EngramState",
     "EngramOutput",
@@ -94,7 +103,8 @@ def _as_table_list(tables) -> list[torch.Tensor]:
     return list(tables)
 
 
-def check_lookup_args(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc):
+def check_lookup_args(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc, attention_mask=None,
+                      prefix_mask=None):
     """Validate the functional lookup's inputs; returns (max_ngram, tables as a list)."""
     check_tensor("compressed", compressed, ndim=3, layout="[batch, seq, compress_dim]")
     batch, seq, dim = compressed.shape
@@ -126,14 +136,42 @@ def check_lookup_args(compressed, hash_projs, bit_weights, tables, prefix, legac
         check_tensor("prefix", prefix, ndim=3, layout="[batch, prefix_len, compress_dim]")
         if prefix.shape[0] != batch or prefix.shape[2] != dim:
             raise ShapeError(f"`prefix` must be [batch={batch}, *, compress_dim={dim}], got {tuple(prefix.shape)}")
+    check_keep_mask("attention_mask", attention_mask, batch, seq)
+    if prefix_mask is not None:
+        if prefix is None:
+            raise ShapeError("`prefix_mask` was given without a `prefix`")
+        check_keep_mask("prefix_mask", prefix_mask, batch, prefix.shape[1])
     check_same_device(compressed=compressed, hash_projs=hash_projs, bit_weights=bit_weights,
-                      prefix=prefix, **{f"tables[{i}]": t for i, t in enumerate(table_list)})
+                      prefix=prefix, attention_mask=attention_mask, prefix_mask=prefix_mask,
+                      **{f"tables[{i}]": t for i, t in enumerate(table_list)})
     return max_ngram, table_list
 
 
 # ----------------------------------------------------------------------------
 # Reference math
 # ----------------------------------------------------------------------------
+
+
+def engram_orders_that_fit(keep: torch.Tensor, max_ngram: int) -> torch.Tensor:
+    """``[B, L]`` int64: how many n-gram orders are read at each position of a
+    ``(B, L)`` keep mask, ``min(max_ngram, run)`` with ``run`` the number of
+    consecutive kept positions ending there (0 where dropped). Without padding it is
+    ``min(max_ngram, t + 1)``. Static shapes, no host sync (a running max)."""
+    keep = keep.bool()
+    pos = torch.arange(keep.shape[1], device=keep.device).expand(keep.shape)
+    last_dropped = torch.where(keep, -1, pos).cummax(dim=1).values
+    return torch.where(keep, pos - last_dropped, 0).clamp(max=max_ngram)
+
+
+def full_keep_mask(batch: int, prefix_len: int, seq: int, attention_mask: torch.Tensor | None,
+                   prefix_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """The ``(B, P + S)`` bool keep mask of prefix ++ positions, or None when nothing is dropped."""
+    if attention_mask is None and prefix_mask is None:
+        return None
+    ones = lambda n: torch.ones(batch, n, dtype=torch.bool, device=device)  # noqa: E731
+    parts = [ones(prefix_len) if prefix_mask is None else prefix_mask.bool(),
+             ones(seq) if attention_mask is None else attention_mask.bool()]
+    return torch.cat(parts, dim=1)
 
 
 def token_compressor_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = COMPRESS_EPS) -> torch.Tensor:
@@ -150,12 +188,14 @@ def engram_bucket_ids(
     table_size: int,
     *,
     legacy_trunc: bool = False,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Bucket index of every n-gram: ``[batch, seq, max_ngram, num_heads]`` int64.
 
     Entry ``[b, t, n-1, h]`` addresses head ``h``'s table for the n-gram ending at
     position ``t``; it is -1 where that n-gram would start before position 0
-    (``t < n-1``). Hashing runs in fp32 whatever the input dtype.
+    (``t < n-1``) or reach a dropped position of ``attention_mask`` (``[B, S]`` keep
+    mask; dropped positions have no n-gram). Hashing runs in fp32 whatever the input dtype.
 
     Args:
         compressed: ``[B, S, Dc]`` hash-space vectors (the whole sequence, prefix included).
@@ -172,6 +212,8 @@ def engram_bucket_ids(
         projs = projs.unsqueeze(2)  # one "bit" per head
     bits = projs.shape[2]
     c = compressed.float()
+    if attention_mask is not None:
+        (c,) = zero_padding(attention_mask, c)  # padding (even NaN) never enters a product
     ids = torch.full((batch, seq, max_ngram, heads), -1, dtype=torch.int64, device=compressed.device)
     slot = 0
     for n in range(1, max_ngram + 1):
@@ -191,6 +233,10 @@ def engram_bucket_ids(
             idx = ((a > 0).float() * bit_weights.float()).sum(dim=-1).long()
         ids[:, n - 1:, n - 1, :] = idx % table_size
         slot += n
+    if attention_mask is not None:
+        fit = engram_orders_that_fit(attention_mask, max_ngram)
+        order = torch.arange(1, max_ngram + 1, device=ids.device).view(1, 1, -1, 1)
+        ids = torch.where(order <= fit[:, :, None, None], ids, -1)
     return ids
 
 
@@ -203,6 +249,8 @@ def engram_lookup_reference(
     prefix: torch.Tensor | None = None,
     legacy_trunc: bool = False,
     upcast: bool = True,
+    attention_mask: torch.Tensor | None = None,
+    prefix_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference Engram read.
 
@@ -220,10 +268,15 @@ def engram_lookup_reference(
         legacy_trunc: the pre-sign-LSH truncation hash.
         upcast: sum the table rows in fp32 (the ground truth); ``False`` sums in the
             output dtype as the seed did.
+        attention_mask: ``[B, S]`` keep mask of ``compressed`` (bool or 0/1). A dropped
+            position reads zeros and acts as a sequence start for the positions
+            after it (see the module docstring).
+        prefix_mask: ``[B, P]`` keep mask of ``prefix`` (decoding after padding).
     Returns:
         ``[B, S, D]`` in the dtype of ``compressed``.
     """
-    max_ngram, table_list = check_lookup_args(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc)
+    max_ngram, table_list = check_lookup_args(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc,
+                                              attention_mask, prefix_mask)
     prefix_len = 0
     full = compressed
     if prefix is not None and prefix.shape[1] > 0:
@@ -231,17 +284,22 @@ def engram_lookup_reference(
         full = torch.cat([prefix.to(compressed.dtype), compressed], dim=1)
     heads = len(table_list)
     table_size, out_dim = table_list[0].shape
-    ids = engram_bucket_ids(full, hash_projs, bit_weights, table_size, legacy_trunc=legacy_trunc)
     batch, seq = full.shape[:2]
+    keep = full_keep_mask(batch, prefix_len, compressed.shape[1], attention_mask, prefix_mask, compressed.device)
+    ids = engram_bucket_ids(full, hash_projs, bit_weights, table_size, legacy_trunc=legacy_trunc,
+                            attention_mask=keep)
     acc_dtype = torch.promote_types(compressed.dtype, torch.float32) if upcast else compressed.dtype
     acc = torch.zeros(batch, seq, out_dim, dtype=acc_dtype, device=compressed.device)
     for n in range(1, min(max_ngram, seq) + 1):
         for h, table in enumerate(table_list):
-            rows = F.embedding(ids[:, n - 1:, n - 1, h], table)
-            acc = acc + F.pad(rows.to(acc_dtype), (0, 0, n - 1, 0))
-    # H · (number of orders that fit at position t)
-    count = heads * torch.clamp(torch.arange(1, seq + 1, device=compressed.device), max=max_ngram)
-    out = acc / count.to(acc_dtype).view(1, -1, 1)
+            idx = ids[:, :, n - 1, h]
+            rows = F.embedding(idx.clamp_min(0), table).to(acc_dtype)
+            acc = acc + torch.where((idx >= 0)[..., None], rows, 0)
+    # H · (number of orders read at position t); 0 (and a zero read) where dropped
+    if keep is None:
+        keep = torch.ones(1, seq, dtype=torch.bool, device=compressed.device)
+    count = heads * engram_orders_that_fit(keep, max_ngram).clamp_min(1)
+    out = acc / count.to(acc_dtype)[..., None]
     return out[:, prefix_len:].to(compressed.dtype)
 
 
@@ -325,12 +383,15 @@ def engram_fusion_reference(
 class EngramCache(DecodingCache):
     """What incremental decoding must carry for the n-gram read: the compressed
     vectors of the last ``max_ngram - 1`` tokens (``prefix`` ``[B, ≤N-1, Dc]``,
-    ``None`` before the first token or when ``max_ngram == 1``) and the token count.
-    They depend only on the token embeddings, so caching them is exact. A call never
-    changes the cache it was given."""
+    ``None`` before the first token or when ``max_ngram == 1``), their keep mask
+    (``prefix_keep`` ``[B, ≤N-1]`` bool, ``None`` while no call was padded) and the
+    token count. They depend only on the token embeddings, so caching them is exact.
+    A call never changes the cache it was given; appends copy at most N-1 positions."""
 
-    def __init__(self, prefix: torch.Tensor | None = None, length: int = 0, config: dict | None = None) -> None:
+    def __init__(self, prefix: torch.Tensor | None = None, length: int = 0, config: dict | None = None,
+                 prefix_keep: torch.Tensor | None = None) -> None:
         self.prefix, self._length, self.config = prefix, int(length), dict(config or {})
+        self.prefix_keep = prefix_keep
 
     @property
     def length(self) -> int:
@@ -341,11 +402,19 @@ class EngramCache(DecodingCache):
         return None if self.prefix is None else self.prefix.shape[0]
 
     def reset(self) -> None:
-        self.prefix, self._length = None, 0
+        self.prefix, self.prefix_keep, self._length = None, None, 0
 
-    def advance(self, compressed: torch.Tensor, max_ngram: int) -> "EngramCache":
-        return EngramCache(engram_next_prefix(self.prefix, compressed, max_ngram),
-                           self._length + compressed.shape[1], self.config)
+    def advance(self, compressed: torch.Tensor, max_ngram: int,
+                attention_mask: torch.Tensor | None = None) -> "EngramCache":
+        """A cache that also holds ``compressed`` ``[B, S, Dc]`` (keep mask ``[B, S]``)."""
+        prefix = engram_next_prefix(self.prefix, compressed, max_ngram)
+        keep = None
+        if prefix is not None and (attention_mask is not None or self.prefix_keep is not None):
+            batch, seq = compressed.shape[:2]
+            old_len = 0 if self.prefix is None else self.prefix.shape[1]
+            full = full_keep_mask(batch, old_len, seq, attention_mask, self.prefix_keep, compressed.device)
+            keep = full[:, full.shape[1] - prefix.shape[1]:]
+        return EngramCache(prefix, self._length + compressed.shape[1], self.config, keep)
 
 
 EngramState = EngramCache  # the earlier name
@@ -403,8 +472,8 @@ class MultiHeadHashLookup(nn.Module):
         legacy_trunc: the pre-sign-LSH truncation hash, only to read old checkpoints
             bit-identically (it collapses onto a few buckets).
         backend: "auto" | "triton" | "reference".
-        deterministic: Triton backward only: accumulate table gradients by sorted
-            segment sums instead of atomics (bitwise reproducible, slower).
+        deterministic: kept for configuration compatibility; both backends' table
+            gradients are deterministic (the Triton backward uses no atomics).
 
     Buffers (persistent, part of the checkpoint): ``hash_proj_n{n}_p{k}`` ``[H, bits,
     Dc]`` (legacy ``[H, Dc]``) unit-norm hyperplanes; ``bit_weights`` ``[bits]`` = 2^b
@@ -461,11 +530,13 @@ class MultiHeadHashLookup(nn.Module):
                              f"got shape {tuple(compressed.shape)}")
 
     @torch.no_grad()
-    def bucket_ids(self, compressed: torch.Tensor) -> torch.Tensor:
-        """``[B, S, max_ngram, H]`` int64 bucket indices (-1 where the n-gram does not fit)."""
+    def bucket_ids(self, compressed: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, S, max_ngram, H]`` int64 bucket indices (-1 where the n-gram does not fit
+        or reaches a dropped position of the ``[B, S]`` keep mask)."""
         self._check_compressed(compressed)
+        check_keep_mask("attention_mask", attention_mask, *compressed.shape[:2])
         return engram_bucket_ids(compressed, self.hash_projs(), self.bit_weights, self.table_size,
-                                 legacy_trunc=self.legacy_trunc)
+                                 legacy_trunc=self.legacy_trunc, attention_mask=attention_mask)
 
     @torch.no_grad()
     def bucket_occupancy(self, compressed: torch.Tensor) -> dict:
@@ -484,19 +555,23 @@ class MultiHeadHashLookup(nn.Module):
                               "occupancy": distinct / min(idx.numel(), self.table_size)}
         return stats
 
-    def forward(self, compressed: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, compressed: torch.Tensor, prefix: torch.Tensor | None = None, *,
+                attention_mask: torch.Tensor | None = None, prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Read the memory for ``compressed`` ``[B, S, Dc]``; ``prefix`` ``[B, P, Dc]`` is
-        the compressed tail of the preceding tokens (decoding). Returns ``[B, S, D]``."""
+        the compressed tail of the preceding tokens (decoding); ``attention_mask``
+        ``[B, S]`` and ``prefix_mask`` ``[B, P]`` are their keep masks (padding reads
+        zeros and cuts the n-grams). Returns ``[B, S, D]``."""
         self._check_compressed(compressed)
         tables = [t.weight for t in self.tables]
         projs = self.hash_projs()
+        masks = dict(attention_mask=attention_mask, prefix_mask=prefix_mask)
         if resolve_backend(self.backend, compressed, tables[0]) == "triton":
             from laminae.triton_ops.engram import engram_lookup
 
             return engram_lookup(compressed, projs, self.bit_weights, tables, prefix=prefix,
-                                 legacy_trunc=self.legacy_trunc, deterministic=self.deterministic)
+                                 legacy_trunc=self.legacy_trunc, **masks)
         return engram_lookup_reference(compressed, projs, self.bit_weights, tables, prefix=prefix,
-                                       legacy_trunc=self.legacy_trunc)
+                                       legacy_trunc=self.legacy_trunc, **masks)
 
 
 class EngramModule(nn.Module):
@@ -560,25 +635,39 @@ class EngramModule(nn.Module):
         detached, the projection frozen), which is what makes the decode prefix exact."""
         return self.compressor(x.detach())
 
-    def retrieve(self, x: torch.Tensor, prefix: torch.Tensor | None = None) -> torch.Tensor:
-        """The raw (ungated) read ``[B, S, hidden_size]``."""
-        return self.lookup(self.compress(x), prefix=prefix)
+    def retrieve(self, x: torch.Tensor, prefix: torch.Tensor | None = None, *,
+                 attention_mask: torch.Tensor | None = None, prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The raw (ungated) read ``[B, S, hidden_size]`` (zeros at dropped positions)."""
+        check_tensor("x", x, ndim=3, layout="[batch, seq, hidden_size]")
+        check_keep_mask("attention_mask", attention_mask, *x.shape[:2])
+        (x,) = zero_padding(attention_mask, x)
+        return self.lookup(self.compress(x), prefix=prefix, attention_mask=attention_mask, prefix_mask=prefix_mask)
 
     def forward(self, x: torch.Tensor, cache: EngramCache | None = None,
-                retrieved: torch.Tensor | None = None) -> EngramOutput:
+                retrieved: torch.Tensor | None = None, *, attention_mask: torch.Tensor | None = None) -> EngramOutput:
         """``(output, cache, retrieved)``: the gated read ``[B, S, hidden_size]``, the cache
         holding these tokens too (the one passed in is unchanged) and the raw read.
         A prefill followed by one-token steps equals one forward over the sequence.
-        ``retrieved`` skips the lookup (a read computed earlier for this ``x``)."""
+        ``retrieved`` skips the lookup (a read computed earlier for this ``x``).
+        ``attention_mask`` ``[B, S]`` (keep mask): dropped positions output zeros, get
+        no gradient, and cut the n-grams of the kept tokens after them (a left-padded
+        row equals the unpadded row; the cache remembers the padding)."""
+        check_tensor("x", x, ndim=3, layout="[batch, seq, hidden_size]")
         config = {"max_ngram": self.max_ngram, "compress_dim": self.compressor.compress_dim}
         if cache is None:
             cache = EngramCache(config=config)
-        check_cache(cache, EngramCache, config, batch=x.shape[0] if isinstance(x, torch.Tensor) and x.dim() else None)
+        check_cache(cache, EngramCache, config, batch=x.shape[0])
+        keep = check_keep_mask("attention_mask", attention_mask, *x.shape[:2])
+        (x,) = zero_padding(keep, x)   # padding contents (even NaN) reach neither the hash nor the gate
         compressed = self.compress(x)
         if retrieved is None:
             # under autocast the frozen projection runs in bf16: the read joins x in x's dtype
-            retrieved = self.lookup(compressed, prefix=cache.prefix).to(x.dtype)
-        return EngramOutput(self.gate(retrieved, x), cache.advance(compressed, self.max_ngram), retrieved)
+            retrieved = self.lookup(compressed, prefix=cache.prefix, attention_mask=keep,
+                                    prefix_mask=cache.prefix_keep).to(x.dtype)
+        out = self.gate(retrieved, x)
+        if keep is not None:
+            (out,) = zero_padding(keep, out)
+        return EngramOutput(out, cache.advance(compressed, self.max_ngram, keep), retrieved)
 
 
 class _RMSNorm(nn.Module):

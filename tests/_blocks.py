@@ -64,7 +64,7 @@ def _mom_call(module, x, mask, cache):
 
 
 def _engram_call(module, x, mask, cache):
-    return module(x, cache=cache)
+    return module(x, cache=cache, attention_mask=mask)
 
 
 def _mc_call(module, x, mask, cache):
@@ -121,7 +121,7 @@ BLOCKS = [
           _mc_call),
     Block("mom_read", lambda be: _mom(be), _mom_call),
     Block("engram", lambda be: EngramModule(HIDDEN, 8, num_heads=2, table_size=31, gate_init_bias=0.5,
-                                            backend=be).eval(), _engram_call, masked=False),
+                                            backend=be).eval(), _engram_call),
     Block("stack_memory", lambda be: _scaled(StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4,
                                                          mode="temporal", backend=be)), _stack_call),
     Block("mosrah", lambda be: MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM,

@@ -80,7 +80,7 @@ class TinyGPT(nn.Module):
         if self.kind == "siamese_norm":
             return self.head(self.final(*self.layer(*siamese_start(x)))), None
         if self.kind == "engram":
-            read, cache, _ = self.engram(x, cache=cache)
+            read, cache, _ = self.engram(x, cache=cache, attention_mask=mask)
             x = x + read
         elif self.kind == "mom_read":
             read, cache = self.mom(self.norm1(x), self.bank, cache=cache)
@@ -114,7 +114,7 @@ def test_block_trains_on_both_backends_and_under_autocast(kind):
     model = TinyGPT(kind).eval()   # eval: affine's EMA stays put, so both backends see one model
     tokens = _tokens()
     mask = None
-    if kind not in ("siamese_norm", "xsa", "laurel", "mom_read", "engram"):
+    if kind not in ("siamese_norm", "xsa", "laurel", "mom_read"):
         mask = torch.ones(B, T, dtype=torch.bool)
         mask[1, :2] = False                                  # left padding
     results = {}

@@ -1,36 +1,44 @@
-"""Engram kernels: the fused n-gram hash + table gather, its table-gradient scatter, and
-the fused agreement gate of the layer fusion.
+"""Engram kernels: the fused n-gram hash + table gather, its table-gradient reduction,
+and the fused agreement gate of the layer fusion.
 
 Lookup forward (``_engram_fwd_kernel``), one program per BLOCK_M rows (row = one
 (batch, position) of the output), one launch per head:
 
     phase 1, per order n:  a = Σ_k  c[t-n+1+k] · W_{n,k}[head]ᵀ     (tl.dot, fp32 "ieee")
                            id = (Σ_b 1[a_b > 0]·2^b) mod T           (legacy: ⌊|a_0|⌋ mod T)
-                           ids[row, n, head] = id  (-1 where t < n-1)
+                           ids[row, n, head] = id  (-1 where n > fit[row])
     phase 2, per D tile:   acc += Σ_n table_head[id_n]                (ids kept in registers)
-                           last head: out = acc / (H·min(N, t+1)), else acc → fp32 scratch
+                           last head: out = acc / (H·fit), else acc → fp32 scratch
 
-The tables are separate tensors (the module keeps the seed's ``nn.Embedding`` per head,
-and stacking them would copy H·T·D values on every call), hence one launch per head and
-an fp32 [rows, D] scratch between launches when H > 1. The hash runs in exact fp32
-(``input_precision="ieee"``) whatever the activation dtype: a tf32 product would flip
-signs and change buckets. The ids ([rows, N, H] int64) are an output and the only
-tensor saved for backward; nothing [rows, T] (one-hot) is ever built.
+``fit[row] = min(N, kept run ending at t)`` (torch, a running max over the keep mask;
+``min(N, t+1)`` without padding) decides which orders are read: an n-gram never
+reaches a padded position, whose compressed vector is never loaded, and a padded row
+reads zeros. The tables are separate tensors (the module keeps the seed's
+``nn.Embedding`` per head, and stacking them would copy H·T·D values on every call),
+hence one launch per head and an fp32 [rows, D] scratch between launches when H > 1.
+The hash runs in exact fp32 (``input_precision="ieee"``) whatever the activation
+dtype: a tf32 product would flip signs and change buckets. The ids ([rows, N, H]
+int64) are an output and, with ``fit``, the only tensors saved for backward; nothing
+[rows, T] (one-hot) is ever built.
 
-Lookup backward: d table_h[id] += g[row] / (H·min(N, t+1)) for every valid (row, n).
-* default: ``_engram_bwd_atomic_kernel``, fp32 ``tl.atomic_add`` into a zeroed [H·T, D]
-  buffer, grid (row blocks, D tiles, heads).
-* ``deterministic=True``: torch sorts the (h·T + id) keys stably (ties keep row order)
-  and finds each segment's end with ``searchsorted`` (static shapes, no
-  ``unique``); ``_engram_bwd_segment_kernel`` runs one program per sorted entry, and
-  the first entry of each segment sums the segment's rows in order and writes the
-  row once. Bitwise reproducible; a hot bucket is one long serial loop.
+Lookup backward, d table_h[id] = Σ g[row] / (H·fit[row]) over the (row, n) addressing
+it, without atomics (bitwise reproducible): torch sorts the E = rows·N·H keys
+``h·T + id`` stably (-1 → a sentinel sorted last); ``_engram_bwd_chunk_kernel`` takes
+BLOCK_E sorted entries × BLOCK_D columns, gathers the scaled gradient rows and sums
+every bucket's piece with one fp32 dot against the [BLOCK_E, BLOCK_E] 0/1 "same
+bucket" matrix (a segmented sum; 16 FMAs per gathered element); a bucket whole inside
+the chunk is stored once, the pieces of a bucket crossing chunk edges go to two
+[chunks, D] buffers, and ``_engram_bwd_fixup_kernel`` (the chunk where that bucket
+starts) adds them in chunk order (``searchsorted`` gives its end; static shapes). Work
+per program is fixed: a hot bucket of m entries costs ⌈m / BLOCK_E⌉ serial adds, not m.
 
-Fusion gate (``_fusion_gate_fwd_kernel`` / ``_fusion_gate_bwd_kernel``), one program per
-BLOCK_M rows of F ≤ 4096 columns held in registers: both RMSNorms, the scaled dot,
-the signed-sqrt sigmoid and the product with the value; the backward recomputes them
-and writes d(hidden_low), d(key_low), d(value) and per-program partial sums of the two
-norm weights' gradients (reduced in torch). The four projections stay ``F.linear``.
+Fusion gate (``_fusion_gate_fwd_kernel`` / ``_fusion_gate_bwd_kernel``), BLOCK_M rows
+of F ≤ 4096 columns held in registers: both RMSNorms, the scaled dot, the signed-sqrt
+sigmoid and the product with the value; the backward is persistent (a grid of
+``num_programs_for_rows``, each program strides over row blocks), recomputes the
+forward, writes d(hidden_low), d(key_low), d(value) and keeps the two norm weights'
+gradient sums in registers: one partial row per program, summed in a fixed order in
+torch. The four projections stay ``F.linear``.
 """
 from __future__ import annotations
 
@@ -44,9 +52,9 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from laminae.primitives._errors import ConfigError, DTypeError, ShapeError
-from laminae.primitives.engram import GATE_FLOOR, check_lookup_args
+from laminae.primitives.engram import GATE_FLOOR, check_lookup_args, engram_orders_that_fit, full_keep_mask
 
-from ._common import StaticCase, contiguous, empty, empty_like, triton_dtype
+from ._common import StaticCase, contiguous, empty, empty_like, num_programs_for_rows
 
 __all__ = ["engram_lookup", "engram_lookup_fused", "engram_bucket_ids_triton", "engram_fusion_gate", "engram_fusion_gate_fused",
            "engram_fusion", "MAX_NGRAM", "MAX_FUSION_DIM"]
@@ -60,9 +68,9 @@ BLOCK_BITS = 32    # hash bits (≤ 24) padded to a tl.dot-friendly width
 BLOCK_NG = 8       # register slots for the ids of every order
 BLOCK_D = 32       # table-row chunk
 NUM_WARPS = 4
-BWD_BLOCK_M = 32
-BWD_BLOCK_D = 64
-SEG_BLOCK_D = 128
+# Table-gradient tiles: BWD_TILES["BLOCK_E"] sorted (bucket, row) entries × BLOCK_D columns per
+# program (a dict so tests can shrink the chunk and make every bucket cross chunk edges).
+BWD_TILES = {"BLOCK_E": 16, "BLOCK_D": 64}
 MAX_NGRAM = BLOCK_NG
 # Fusion gate.
 MAX_FUSION_DIM = 4096
@@ -76,7 +84,7 @@ _GATE_TILE_BWD = 1024  # the backward keeps ~3x more live values per element
 
 
 @triton.jit
-def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, acc_ptr, out_ptr, ids_ptr,
+def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, fit_ptr, acc_ptr, out_ptr, ids_ptr,
                        N, S, S_FULL, P, DC, D, T, BITS, H, head, MAX_NGRAM,
                        LEGACY: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr,
@@ -84,21 +92,23 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, acc_ptr, out_ptr, ids
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < N
-    t = P + rows % S                      # position in the prefix-extended sequence
-    base = (rows // S) * S_FULL           # first row of this batch element in `c`
+    cur = (rows // S) * S_FULL + P + rows % S   # this position's row in the prefix-extended `c`
+    # orders that fit: min(N, kept run ending at t); 0 on padding, whose row reads zeros
+    fit = tl.load(fit_ptr + rows, mask=row_mask, other=0)
     bits = tl.arange(0, BLOCK_BITS)
     bit_mask = bits < BITS
     bit_w = tl.load(bw_ptr + bits, mask=bit_mask, other=0.0)
     ng = tl.arange(0, BLOCK_NG)
-    ids_all = tl.full((BLOCK_M, BLOCK_NG), -1, tl.int64)
+    ids_all = tl.full((BLOCK_M, BLOCK_NG), -1, tl.int32)   # codes < 2^24: int32 keeps registers free
 
     # phase 1: hash every order, keep the bucket ids in registers
     for n in range(1, MAX_NGRAM + 1):
-        valid = row_mask & (t >= n - 1)
+        # an order that fits never reaches padding: padded vectors (even NaN) are never loaded
+        valid = fit >= n
         a = tl.zeros((BLOCK_M, BLOCK_BITS), dtype=tl.float32)
         for k in range(0, n):
             slot = (n * (n - 1)) // 2 + k
-            src = base + t - (n - 1) + k
+            src = cur - (n - 1) + k
             proj_rows = ((slot * H + head) * BITS + bits).to(tl.int64)
             term = tl.zeros((BLOCK_M, BLOCK_BITS), dtype=tl.float32)
             for c0 in range(0, DC, BLOCK_C):
@@ -114,12 +124,12 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, acc_ptr, out_ptr, ids
             code = tl.sum(tl.where(bits[None, :] == 0, tl.abs(a), 0.0), axis=1)
         else:
             code = tl.sum(tl.where((a > 0) & bit_mask[None, :], bit_w[None, :], 0.0), axis=1)
-        idx = tl.where(valid, code.to(tl.int64) % T, -1)
-        tl.store(ids_ptr + rows * (MAX_NGRAM * H) + (n - 1) * H + head, idx, mask=row_mask)
+        idx = tl.where(valid, code.to(tl.int32) % T, -1)
+        tl.store(ids_ptr + rows * (MAX_NGRAM * H) + (n - 1) * H + head, idx.to(tl.int64), mask=row_mask)
         ids_all = tl.where(ng[None, :] == n - 1, idx[:, None], ids_all)
 
     # phase 2: gather and sum this head's rows, D in chunks
-    inv_count = 1.0 / (tl.minimum(t + 1, MAX_NGRAM) * H).to(tl.float32)
+    inv_count = 1.0 / (tl.maximum(fit, 1) * H).to(tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
         mask = row_mask[:, None] & (cols < D)[None, :]
@@ -131,7 +141,8 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, acc_ptr, out_ptr, ids
         for n in range(0, MAX_NGRAM):
             idx = tl.sum(tl.where(ng[None, :] == n, ids_all, 0), axis=1)
             hit = mask & (idx >= 0)[:, None]
-            acc += tl.load(table_ptr + idx[:, None] * D + cols[None, :], mask=hit, other=0.0).to(tl.float32)
+            acc += tl.load(table_ptr + idx.to(tl.int64)[:, None] * D + cols[None, :], mask=hit,
+                           other=0.0).to(tl.float32)
         if LAST:
             tl.store(out_ptr + offs, (acc * inv_count[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
         else:
@@ -139,41 +150,69 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, acc_ptr, out_ptr, ids
 
 
 @triton.jit
-def _engram_bwd_atomic_kernel(g_ptr, ids_ptr, dt_ptr, N, S, P, D, T, H, MAX_NGRAM,
-                              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_m = tl.program_id(0)
+def _engram_bwd_chunk_kernel(g_ptr, keys_ptr, rows_ptr, fit_ptr, dt_ptr, head_ptr, carry_ptr, E, D, HT, H,
+                             BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One chunk of BLOCK_E sorted entries × BLOCK_D columns. Sorted keys make each
+    bucket's entries contiguous, so ``same[i, j] = key_i == key_j`` times the scaled
+    gradient rows sums every bucket's piece (one exact fp32 dot; BLOCK_E FMAs per
+    gathered element). A bucket whole inside the chunk is written to the table
+    gradient; the piece continuing an earlier chunk's bucket goes to head[chunk], the
+    piece of a bucket that starts here and runs on goes to carry[chunk] (the fix-up
+    kernel joins them)."""
+    chunk = tl.program_id(0)
     pid_d = tl.program_id(1)
-    head = tl.program_id(2)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    local = tl.arange(0, BLOCK_E)
+    e = chunk.to(tl.int64) * BLOCK_E + local
+    in_range = e < E
+    key = tl.load(keys_ptr + e, mask=in_range, other=HT)          # HT: no bucket (order did not fit)
+    nxt = tl.load(keys_ptr + e + 1, mask=e + 1 < E, other=-1)
+    real = in_range & (key < HT)
+    ends = key != nxt                                             # last entry of its bucket
+    piece_end = ends | (local == BLOCK_E - 1)
+    # the piece holding entry 0 continues the previous chunk's bucket when entry 0 does not start one
+    key0 = tl.load(keys_ptr + chunk.to(tl.int64) * BLOCK_E)
+    before0 = tl.load(keys_ptr + chunk.to(tl.int64) * BLOCK_E - 1, mask=chunk > 0, other=-1)
+    continued = (key == key0) & (before0 == key0)
+    complete = real & piece_end & ends & ~continued
+    to_head = real & piece_end & continued
+    to_carry = real & piece_end & ~ends & ~continued
+
+    row = tl.load(rows_ptr + e, mask=real, other=0)
+    count = (tl.load(fit_ptr + row, mask=real, other=1) * H).to(tl.float32)
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    row_mask = rows < N
-    mask = row_mask[:, None] & (cols < D)[None, :]
-    t = P + rows % S
-    count = (tl.minimum(t + 1, MAX_NGRAM) * H).to(tl.float32)
-    g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = g / count[:, None]
-    for n in range(0, MAX_NGRAM):
-        idx = tl.load(ids_ptr + rows * (MAX_NGRAM * H) + n * H + head, mask=row_mask, other=-1)
-        dst = (head * T + idx)[:, None] * D + cols[None, :]
-        tl.atomic_add(dt_ptr + dst, g, mask=mask & (idx >= 0)[:, None], sem="relaxed")
+    col_mask = cols < D
+    vals = tl.load(g_ptr + row[:, None] * D + cols[None, :], mask=real[:, None] & col_mask[None, :],
+                   other=0.0).to(tl.float32) / count[:, None]
+    same = tl.where(key[:, None] == key[None, :], 1.0, 0.0)
+    sums = tl.dot(same, vals, input_precision="ieee")
+    tl.store(dt_ptr + key[:, None] * D + cols[None, :], sums, mask=complete[:, None] & col_mask[None, :])
+    side = chunk.to(tl.int64) * D + cols[None, :] + 0 * local[:, None]
+    tl.store(head_ptr + side, sums, mask=to_head[:, None] & col_mask[None, :])
+    tl.store(carry_ptr + side, sums, mask=to_carry[:, None] & col_mask[None, :])
 
 
 @triton.jit
-def _engram_bwd_segment_kernel(g_ptr, keys_ptr, rows_ptr, ends_ptr, dt_ptr, S, P, D, HT, H, MAX_NGRAM,
-                               BLOCK_D: tl.constexpr):
-    i = tl.program_id(0).to(tl.int64)
+def _engram_bwd_fixup_kernel(keys_ptr, seg_end_ptr, dt_ptr, head_ptr, carry_ptr, E, D, HT,
+                             BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The bucket that starts in this chunk and runs past its end: carry[chunk] plus
+    the head pieces of the chunks it covers, added in chunk order."""
+    chunk = tl.program_id(0)
     pid_d = tl.program_id(1)
-    key = tl.load(keys_ptr + i)
-    prev = tl.load(keys_ptr + i - 1, mask=i > 0, other=-1)
-    if (key != prev) & (key < HT):        # first entry of a real bucket's segment
+    first = chunk.to(tl.int64) * BLOCK_E
+    last = tl.minimum(first + BLOCK_E, E) - 1
+    key = tl.load(keys_ptr + last)
+    nxt = tl.load(keys_ptr + last + 1, mask=last + 1 < E, other=-1)
+    before = tl.load(keys_ptr + first - 1, mask=first > 0, other=-1)
+    starts_here = (tl.load(keys_ptr + first) != key) | (before != key)
+    if (key < HT) & (nxt == key) & starts_here:
         cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
         col_mask = cols < D
-        end = tl.load(ends_ptr + i)
-        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        for j in range(i, end):
-            row = tl.load(rows_ptr + j)
-            count = (tl.minimum(P + row % S + 1, MAX_NGRAM) * H).to(tl.float32)
-            acc += tl.load(g_ptr + row * D + cols, mask=col_mask, other=0.0).to(tl.float32) / count
+        acc = tl.load(carry_ptr + chunk.to(tl.int64) * D + cols, mask=col_mask, other=0.0)
+        end_chunk = (tl.load(seg_end_ptr + chunk) + BLOCK_E - 1) // BLOCK_E
+        head = head_ptr + (chunk.to(tl.int64) + 1) * D + cols
+        for _ in range(chunk + 1, end_chunk):
+            acc += tl.load(head, mask=col_mask, other=0.0)
+            head += D
         tl.store(dt_ptr + key * D + cols, acc, mask=col_mask)
 
 
@@ -184,13 +223,14 @@ def _max_ngram(num_slots: int) -> int:
 @triton_op("laminae::engram_lookup", mutates_args=())
 def engram_lookup_fused(
     full: torch.Tensor, hash_projs: torch.Tensor, bit_weights: torch.Tensor, tables: list[torch.Tensor],
-    prefix_len: int, legacy_trunc: bool, deterministic: bool,
+    fit: torch.Tensor, prefix_len: int, legacy_trunc: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Read for the last ``S - prefix_len`` positions of ``full`` [B, S, Dc].
 
     ``hash_projs`` [slots, H, bits, Dc] fp32 (bits = 1 for legacy), ``bit_weights``
-    [bits] fp32, ``tables`` H contiguous [T, D]. Returns ``(out [B, S-P, D], ids
-    [B·(S-P), N, H] int64)``; ``deterministic`` only affects the backward.
+    [bits] fp32, ``tables`` H contiguous [T, D], ``fit`` [B·(S-P)] int32: orders read
+    per output row (:func:`~laminae.primitives.engram.engram_orders_that_fit`; 0 on
+    padding). Returns ``(out [B, S-P, D], ids [B·(S-P), N, H] int64)``.
     """
     batch, seq_full, dc = full.shape
     seq = seq_full - prefix_len
@@ -207,7 +247,7 @@ def engram_lookup_fused(
     grid = (triton.cdiv(n_rows, BLOCK_M),)
     for head in range(heads):
         wrap_triton(_engram_fwd_kernel)[grid](
-            full, hash_projs, bit_weights, tables[head], acc, out, ids,
+            full, hash_projs, bit_weights, tables[head], fit, acc, out, ids,
             n_rows, seq, seq_full, prefix_len, dc, d, table_size, bits, heads, head, max_ngram,
             LEGACY=legacy_trunc, FIRST=head == 0, LAST=head == heads - 1,
             BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C, BLOCK_BITS=BLOCK_BITS, BLOCK_NG=BLOCK_NG, BLOCK_D=BLOCK_D,
@@ -217,45 +257,52 @@ def engram_lookup_fused(
 
 
 @triton_op("laminae::engram_lookup_bwd", mutates_args=())
-def _engram_lookup_bwd(g: torch.Tensor, ids: torch.Tensor, seq: int, prefix_len: int, table_size: int,
-                       out_dim: int, deterministic: bool) -> torch.Tensor:
+def _engram_lookup_bwd(g: torch.Tensor, ids: torch.Tensor, fit: torch.Tensor, table_size: int,
+                       out_dim: int) -> torch.Tensor:
+    """d table_h[id] = Σ g[row] / (H·fit[row]) over the (row, order) pairs addressing it.
+
+    No atomics: the (h·T + id) keys are sorted stably (static shapes), each chunk of
+    sorted entries sums its buckets with a segmented scan, and a bucket spanning
+    chunks is joined in chunk order: bitwise reproducible, and a hot bucket costs
+    ⌈count / BLOCK_E⌉ serial steps instead of count."""
     n_rows, max_ngram, heads = ids.shape
     dtab = torch.zeros((heads * table_size, out_dim), dtype=torch.float32, device=g.device)
     if n_rows == 0:
         return dtab.view(heads, table_size, out_dim)
-    if not deterministic:
-        grid = (triton.cdiv(n_rows, BWD_BLOCK_M), triton.cdiv(out_dim, BWD_BLOCK_D), heads)
-        wrap_triton(_engram_bwd_atomic_kernel)[grid](
-            g, ids, dtab, n_rows, seq, prefix_len, out_dim, table_size, heads, max_ngram,
-            BLOCK_M=BWD_BLOCK_M, BLOCK_D=BWD_BLOCK_D, num_warps=NUM_WARPS)
-    else:
-        sentinel = heads * table_size
-        head_offset = torch.arange(heads, device=g.device, dtype=torch.int64) * table_size
-        keys = torch.where(ids >= 0, ids + head_offset, torch.full_like(ids, sentinel)).reshape(-1)
-        sorted_keys, order = torch.sort(keys, stable=True)
-        rows = (order // (max_ngram * heads)).contiguous()
-        ends = torch.searchsorted(sorted_keys, sorted_keys, right=True)
-        grid = (sorted_keys.numel(), triton.cdiv(out_dim, SEG_BLOCK_D))
-        wrap_triton(_engram_bwd_segment_kernel)[grid](
-            g, sorted_keys, rows, ends, dtab, seq, prefix_len, out_dim, sentinel, heads, max_ngram,
-            BLOCK_D=SEG_BLOCK_D, num_warps=NUM_WARPS)
+    sentinel = heads * table_size
+    head_offset = torch.arange(heads, device=g.device, dtype=torch.int64) * table_size
+    keys = torch.where(ids >= 0, ids + head_offset, sentinel).reshape(-1)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    rows = (order // (max_ngram * heads)).contiguous()
+    n_entries = sorted_keys.numel()
+    block_e, block_d = BWD_TILES["BLOCK_E"], BWD_TILES["BLOCK_D"]
+    chunks = triton.cdiv(n_entries, block_e)
+    last = torch.clamp(torch.arange(1, chunks + 1, device=g.device) * block_e, max=n_entries) - 1
+    seg_end = torch.searchsorted(sorted_keys, sorted_keys[last], right=True)
+    head_part = empty((chunks, out_dim), dtype=torch.float32, device=g.device)
+    carry_part = empty((chunks, out_dim), dtype=torch.float32, device=g.device)
+    grid = (chunks, triton.cdiv(out_dim, block_d))
+    wrap_triton(_engram_bwd_chunk_kernel)[grid](
+        g, sorted_keys, rows, fit, dtab, head_part, carry_part, n_entries, out_dim, sentinel, heads,
+        BLOCK_E=block_e, BLOCK_D=block_d, num_warps=NUM_WARPS)
+    wrap_triton(_engram_bwd_fixup_kernel)[grid](
+        sorted_keys, seg_end, dtab, head_part, carry_part, n_entries, out_dim, sentinel,
+        BLOCK_E=block_e, BLOCK_D=block_d, num_warps=NUM_WARPS)
     return dtab.view(heads, table_size, out_dim)
 
 
 def _lookup_setup_context(ctx, inputs, output):
-    full, hash_projs, bit_weights, tables, prefix_len, legacy_trunc, deterministic = inputs
+    full, hash_projs, bit_weights, tables, fit, prefix_len, legacy_trunc = inputs
     out, ids = output
-    ctx.save_for_backward(ids)
+    ctx.save_for_backward(ids, fit)
     ctx.mark_non_differentiable(ids)
-    ctx.seq, ctx.prefix_len, ctx.deterministic = out.shape[1], prefix_len, deterministic
     ctx.table_size, ctx.out_dim = tables[0].shape
     ctx.table_dtype = tables[0].dtype
 
 
 def _lookup_backward(ctx, g_out, g_ids):
-    (ids,) = ctx.saved_tensors
-    dtab = _engram_lookup_bwd(g_out.contiguous(), ids, ctx.seq, ctx.prefix_len, ctx.table_size, ctx.out_dim,
-                              ctx.deterministic)
+    ids, fit = ctx.saved_tensors
+    dtab = _engram_lookup_bwd(g_out.contiguous(), ids, fit, ctx.table_size, ctx.out_dim)
     dtables = [dtab[h].to(ctx.table_dtype) for h in range(dtab.shape[0])]
     return None, None, None, dtables, None, None, None
 
@@ -263,8 +310,10 @@ def _lookup_backward(ctx, g_out, g_ids):
 engram_lookup_fused.register_autograd(_lookup_backward, setup_context=_lookup_setup_context)
 
 
-def _prepare_lookup(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc):
-    max_ngram, table_list = check_lookup_args(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc)
+def _prepare_lookup(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc, attention_mask=None,
+                    prefix_mask=None):
+    max_ngram, table_list = check_lookup_args(compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc,
+                                              attention_mask, prefix_mask)
     if compressed.dtype not in _KERNEL_DTYPES:
         raise DTypeError(f"Triton Engram lookup supports fp32/bf16/fp16 `compressed`, got {compressed.dtype}")
     if table_list[0].dtype not in _KERNEL_DTYPES:
@@ -279,14 +328,21 @@ def _prepare_lookup(compressed, hash_projs, bit_weights, tables, prefix, legacy_
         projs = projs.unsqueeze(2)
     if projs.shape[2] > BLOCK_BITS:
         raise ConfigError(f"the Triton Engram lookup supports at most {BLOCK_BITS} hash bits, got {projs.shape[2]}")
+    batch, seq = compressed.shape[:2]
     prefix_len = 0
     full = compressed
     if prefix is not None and prefix.shape[1] > 0:
         prefix_len = prefix.shape[1]
         full = torch.cat([prefix.to(compressed.dtype), compressed], dim=1)
+    keep = full_keep_mask(batch, prefix_len, seq, attention_mask, prefix_mask if prefix_len else None,
+                          compressed.device)
+    if keep is None:
+        keep = torch.ones(1, prefix_len + seq, dtype=torch.bool, device=compressed.device)
+    fit = engram_orders_that_fit(keep, max_ngram)[:, prefix_len:].expand(batch, seq)
+    fit = fit.to(torch.int32).contiguous().view(-1)
     full, projs = contiguous(full, projs)
     bw = bit_weights.float().contiguous() if not legacy_trunc else torch.ones(1, device=full.device)
-    return full, projs, bw, [t.contiguous() for t in table_list], prefix_len
+    return full, projs, bw, [t.contiguous() for t in table_list], fit, prefix_len
 
 
 def engram_lookup(
@@ -297,18 +353,22 @@ def engram_lookup(
     *,
     prefix: torch.Tensor | None = None,
     legacy_trunc: bool = False,
-    deterministic: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    prefix_mask: torch.Tensor | None = None,
+    deterministic: bool = True,
 ) -> torch.Tensor:
     """Triton Engram read with the signature of
-    :func:`laminae.primitives.engram.engram_lookup_reference` (plus ``deterministic``:
-    table gradients by sorted segment sums instead of atomics).
+    :func:`laminae.primitives.engram.engram_lookup_reference`.
 
-    ``compressed`` ``[B, S, Dc]`` fp32/bf16/fp16, ``tables`` ``[H, T, D]`` or H ``[T, D]``;
-    returns ``[B, S, D]`` in compressed's dtype. Differentiable in the tables only.
+    ``compressed`` ``[B, S, Dc]`` fp32/bf16/fp16, ``tables`` ``[H, T, D]`` or H ``[T, D]``,
+    ``attention_mask`` ``[B, S]`` / ``prefix_mask`` ``[B, P]`` keep masks; returns
+    ``[B, S, D]`` in compressed's dtype. Differentiable in the tables only; the table
+    gradient is deterministic (``deterministic`` is accepted for compatibility).
     """
-    full, projs, bw, table_list, prefix_len = _prepare_lookup(
-        compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc)
-    out, _ = engram_lookup_fused(full, projs, bw, table_list, prefix_len, bool(legacy_trunc), bool(deterministic))
+    del deterministic  # the backward has no atomics: always reproducible
+    full, projs, bw, table_list, fit, prefix_len = _prepare_lookup(
+        compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc, attention_mask, prefix_mask)
+    out, _ = engram_lookup_fused(full, projs, bw, table_list, fit, prefix_len, bool(legacy_trunc))
     return out
 
 
@@ -320,13 +380,15 @@ def engram_bucket_ids_triton(
     *,
     prefix: torch.Tensor | None = None,
     legacy_trunc: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    prefix_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The bucket ids the kernel addressed, ``[B, S, N, H]`` int64 (-1: order does not fit),
     for the positions of ``compressed`` (the reference's ids sliced past the prefix)."""
-    full, projs, bw, table_list, prefix_len = _prepare_lookup(
-        compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc)
+    full, projs, bw, table_list, fit, prefix_len = _prepare_lookup(
+        compressed, hash_projs, bit_weights, tables, prefix, legacy_trunc, attention_mask, prefix_mask)
     with torch.no_grad():
-        _, ids = engram_lookup_fused(full, projs, bw, table_list, prefix_len, bool(legacy_trunc), False)
+        _, ids = engram_lookup_fused(full, projs, bw, table_list, fit, prefix_len, bool(legacy_trunc))
     batch, seq = compressed.shape[:2]
     return ids.view(batch, seq, ids.shape[1], ids.shape[2])
 
@@ -350,17 +412,23 @@ def _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR: tl.conste
 
 
 @triton.jit
+def _load_gate_rows(hd_ptr, kp_ptr, v_ptr, rows, cols, N, F_DIM):
+    mask = (rows < N)[:, None] & (cols < F_DIM)[None, :]
+    offs = rows[:, None] * F_DIM + cols[None, :]
+    hd = tl.load(hd_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    kp = tl.load(kp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return hd, kp, v, mask, offs
+
+
+@triton.jit
 def _fusion_gate_fwd_kernel(hd_ptr, kp_ptr, v_ptr, wh_ptr, wk_ptr, out_ptr, N, F_DIM, eps, sqrt_f,
                             GATE_FLOOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_F)
     col_mask = cols < F_DIM
-    mask = (rows < N)[:, None] & col_mask[None, :]
-    offs = rows[:, None] * F_DIM + cols[None, :]
-    hd = tl.load(hd_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    kp = tl.load(kp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    hd, kp, v, mask, offs = _load_gate_rows(hd_ptr, kp_ptr, v_ptr, rows, cols, N, F_DIM)
     wh = tl.load(wh_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     wk = tl.load(wk_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     _, _, _, _, _, gate = _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR)
@@ -371,35 +439,43 @@ def _fusion_gate_fwd_kernel(hd_ptr, kp_ptr, v_ptr, wh_ptr, wk_ptr, out_ptr, N, F
 def _fusion_gate_bwd_kernel(g_ptr, hd_ptr, kp_ptr, v_ptr, wh_ptr, wk_ptr, dhd_ptr, dkp_ptr, dv_ptr,
                             dwh_part_ptr, dwk_part_ptr, N, F_DIM, eps, sqrt_f,
                             GATE_FLOOR: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_F: tl.constexpr):
+    """Persistent: program p takes row blocks p, p + P, p + 2P, ... and keeps the two
+    norm weights' gradient sums in registers; one partial row per program, reduced
+    in a fixed order by the caller (no atomics)."""
     pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    num_progs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_F)
     col_mask = cols < F_DIM
-    mask = (rows < N)[:, None] & col_mask[None, :]
-    offs = rows[:, None] * F_DIM + cols[None, :]
-    hd = tl.load(hd_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    kp = tl.load(kp_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     wh = tl.load(wh_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     wk = tl.load(wk_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    rh, rk, hn, kn, abs_a, gate = _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR)
-    tl.store(dv_ptr + offs, (g * gate[:, None]).to(dv_ptr.dtype.element_ty), mask=mask)
-    d_gate = tl.sum(g * v, axis=1)
-    d_s = d_gate * gate * (1.0 - gate)
-    # d/da [sign(a)·√max(|a|, floor)] = 1/(2√|a|) above the floor, 0 below it
-    d_a = tl.where(abs_a >= GATE_FLOOR, d_s / (2.0 * tl.sqrt(tl.maximum(abs_a, GATE_FLOOR))), 0.0) / sqrt_f
-    d_hn = d_a[:, None] * kn
-    d_kn = d_a[:, None] * hn
-    # RMSNorm: y = x·r·w  →  dw = Σ dy·x·r,  dx = r·u − x·r³·mean(u·x),  u = dy·w
-    tl.store(dwh_part_ptr + pid.to(tl.int64) * F_DIM + cols, tl.sum(d_hn * hd * rh[:, None], axis=0), mask=col_mask)
-    tl.store(dwk_part_ptr + pid.to(tl.int64) * F_DIM + cols, tl.sum(d_kn * kp * rk[:, None], axis=0), mask=col_mask)
-    u_h = d_hn * wh[None, :]
-    u_k = d_kn * wk[None, :]
-    d_hd = rh[:, None] * u_h - hd * (rh * rh * rh * tl.sum(u_h * hd, axis=1) / F_DIM)[:, None]
-    d_kp = rk[:, None] * u_k - kp * (rk * rk * rk * tl.sum(u_k * kp, axis=1) / F_DIM)[:, None]
-    tl.store(dhd_ptr + offs, d_hd.to(dhd_ptr.dtype.element_ty), mask=mask)
-    tl.store(dkp_ptr + offs, d_kp.to(dkp_ptr.dtype.element_ty), mask=mask)
+    dwh = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    dwk = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    for start in range(pid * BLOCK_M, N, num_progs * BLOCK_M):
+        rows = (start + tl.arange(0, BLOCK_M)).to(tl.int64)
+        hd, kp, v, mask, offs = _load_gate_rows(hd_ptr, kp_ptr, v_ptr, rows, cols, N, F_DIM)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        rh, rk, hn, kn, abs_a, gate = _gate_forward_math(hd, kp, wh, wk, F_DIM, eps, sqrt_f, GATE_FLOOR)
+        tl.store(dv_ptr + offs, (g * gate[:, None]).to(dv_ptr.dtype.element_ty), mask=mask)
+        d_gate = tl.sum(g * v, axis=1)
+        d_s = d_gate * gate * (1.0 - gate)
+        # d/da [sign(a)·√max(|a|, floor)] = 1/(2√|a|) above the floor, 0 below it
+        d_a = tl.where(abs_a >= GATE_FLOOR, d_s / (2.0 * tl.sqrt(tl.maximum(abs_a, GATE_FLOOR))), 0.0) / sqrt_f
+        d_hd, dwh_rows = _rms_norm_bwd(d_a[:, None] * kn, hd, rh, wh, F_DIM)
+        d_kp, dwk_rows = _rms_norm_bwd(d_a[:, None] * hn, kp, rk, wk, F_DIM)
+        dwh += dwh_rows
+        dwk += dwk_rows
+        tl.store(dhd_ptr + offs, d_hd.to(dhd_ptr.dtype.element_ty), mask=mask)
+        tl.store(dkp_ptr + offs, d_kp.to(dkp_ptr.dtype.element_ty), mask=mask)
+    tl.store(dwh_part_ptr + pid.to(tl.int64) * F_DIM + cols, dwh, mask=col_mask)
+    tl.store(dwk_part_ptr + pid.to(tl.int64) * F_DIM + cols, dwk, mask=col_mask)
+
+
+@triton.jit
+def _rms_norm_bwd(dy, x, r, w, F_DIM):
+    # y = x·r·w  →  dw = Σ_rows dy·x·r,  dx = r·u − x·r³·mean(u·x),  u = dy·w
+    u = dy * w[None, :]
+    dx = r[:, None] * u - x * (r * r * r * tl.sum(u * x, axis=1) / F_DIM)[:, None]
+    return dx, tl.sum(dy * x * r[:, None], axis=0)
 
 
 def _gate_blocks(fusion_dim: int, backward: bool = False) -> tuple[int, int, int]:
@@ -431,7 +507,7 @@ def _engram_fusion_gate_bwd(g: torch.Tensor, hidden_low: torch.Tensor, key_low: 
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     n, f = value.shape
     block_m, block_f, warps = _gate_blocks(f, backward=True)
-    programs = triton.cdiv(n, block_m)
+    programs = num_programs_for_rows(triton.cdiv(n, block_m), value.device) if n > 0 else 0
     d_hidden, d_key, d_value = empty_like(hidden_low), empty_like(key_low), empty_like(value)
     dwh_part = empty((programs, f), dtype=torch.float32, device=value.device)
     dwk_part = empty((programs, f), dtype=torch.float32, device=value.device)
@@ -530,22 +606,23 @@ def static_cases() -> Iterator[StaticCase]:
                 yield StaticCase(
                     "engram_fwd", _engram_fwd_kernel,
                     dict(c_ptr=f"*{c_dt}", proj_ptr="*fp32", bw_ptr="*fp32", table_ptr=f"*{t_dt}",
-                         acc_ptr="*fp32", out_ptr=f"*{c_dt}", ids_ptr="*i64", N="i32", S="i32", S_FULL="i32",
+                         fit_ptr="*i32", acc_ptr="*fp32", out_ptr=f"*{c_dt}", ids_ptr="*i64", N="i32", S="i32", S_FULL="i32",
                          P="i32", DC="i32", D="i32", T="i32", BITS="i32", H="i32", head="i32", MAX_NGRAM="i32"),
                     dict(LEGACY=legacy, FIRST=first, LAST=last, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
                          BLOCK_BITS=BLOCK_BITS, BLOCK_NG=BLOCK_NG, BLOCK_D=BLOCK_D),
                     NUM_WARPS, tags={"dtype": c_dt, "table": t_dt})
+    tiles = dict(BLOCK_E=BWD_TILES["BLOCK_E"], BLOCK_D=BWD_TILES["BLOCK_D"])
     for dt in ("fp32", "bf16", "fp16"):
         yield StaticCase(
-            "engram_bwd_atomic", _engram_bwd_atomic_kernel,
-            dict(g_ptr=f"*{dt}", ids_ptr="*i64", dt_ptr="*fp32", N="i32", S="i32", P="i32", D="i32", T="i32",
-                 H="i32", MAX_NGRAM="i32"),
-            dict(BLOCK_M=BWD_BLOCK_M, BLOCK_D=BWD_BLOCK_D), NUM_WARPS, tags={"dtype": dt})
-        yield StaticCase(
-            "engram_bwd_segment", _engram_bwd_segment_kernel,
-            dict(g_ptr=f"*{dt}", keys_ptr="*i64", rows_ptr="*i64", ends_ptr="*i64", dt_ptr="*fp32", S="i32",
-                 P="i32", D="i32", HT="i32", H="i32", MAX_NGRAM="i32"),
-            dict(BLOCK_D=SEG_BLOCK_D), NUM_WARPS, tags={"dtype": dt})
+            "engram_bwd_chunk", _engram_bwd_chunk_kernel,
+            dict(g_ptr=f"*{dt}", keys_ptr="*i64", rows_ptr="*i64", fit_ptr="*i32", dt_ptr="*fp32", head_ptr="*fp32",
+                 carry_ptr="*fp32", E="i32", D="i32", HT="i32", H="i32"),
+            tiles, NUM_WARPS, tags={"dtype": dt})
+    yield StaticCase(
+        "engram_bwd_fixup", _engram_bwd_fixup_kernel,
+        dict(keys_ptr="*i64", seg_end_ptr="*i64", dt_ptr="*fp32", head_ptr="*fp32", carry_ptr="*fp32", E="i32",
+             D="i32", HT="i32"),
+        tiles, NUM_WARPS, tags={"dtype": "fp32"})
     block_f = 16
     while block_f <= MAX_FUSION_DIM:
         block_m, _, warps = _gate_blocks(block_f)

@@ -17,6 +17,7 @@ from laminae.primitives.engram import (
     engram_hash_bits,
     engram_lookup_reference,
     engram_next_prefix,
+    engram_orders_that_fit,
     ngram_slots,
 )
 
@@ -254,6 +255,65 @@ def test_gradcheck_lookup_tables_float64():
         return engram_lookup_reference(c, lookup.hash_projs(), lookup.bit_weights, t, prefix=prefix)
 
     assert torch.autograd.gradcheck(fn, (tables,))
+
+
+def test_gradcheck_lookup_tables_with_padding_float64():
+    torch.manual_seed(9)
+    lookup = MultiHeadHashLookup(2, 5, 6, 3, max_ngram=3)
+    c = _unit(2, 5, 6).double()
+    tables = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    prefix = _unit(2, 2, 6).double()
+
+    def fn(t):
+        return engram_lookup_reference(c, lookup.hash_projs(), lookup.bit_weights, t, attention_mask=mask,
+                                       prefix=prefix, prefix_mask=torch.tensor([[1, 0], [1, 1]]))
+
+    assert torch.autograd.gradcheck(fn, (tables,))
+
+
+def test_orders_that_fit_restart_after_every_dropped_position():
+    keep = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 0, 1, 1], [1, 0, 0, 0, 1]])
+    assert engram_orders_that_fit(keep, 3).tolist() == [[1, 2, 3, 3, 3], [0, 0, 1, 2, 3], [1, 2, 0, 1, 2],
+                                                         [1, 0, 0, 0, 1]]
+
+
+@pytest.mark.parametrize("pad", [1, 2, 4])
+def test_reference_left_padding_equals_the_unpadded_read(pad):
+    """Padding (NaN here) before a sequence: the ids of the kept positions, the read and
+    the table gradient equal the unpadded sequence's; pads read 0 and address nothing."""
+    torch.manual_seed(11)
+    lookup = MultiHeadHashLookup(3, 11, 8, 5, max_ngram=3, backend="reference")
+    c = _unit(1, 6, 8)
+    padded = torch.cat([torch.full((1, pad, 8), float("nan")), c], 1)
+    mask = torch.arange(pad + 6)[None] >= pad
+    ids = lookup.bucket_ids(padded, attention_mask=mask)
+    assert torch.equal(ids[:, pad:], lookup.bucket_ids(c)) and bool((ids[:, :pad] == -1).all())
+    g = torch.randn(1, 6, 5)
+    out = lookup(padded, attention_mask=mask)
+    (gp,) = torch.autograd.grad((out[:, pad:] * g).sum() + out[:, :pad].sum(), [lookup.tables[0].weight])
+    ref = lookup(c)
+    (gr,) = torch.autograd.grad((ref * g).sum(), [lookup.tables[0].weight])
+    assert torch.equal(out[:, pad:], ref) and bool((out[:, :pad] == 0).all())
+    torch.testing.assert_close(gp, gr)
+
+
+def test_decoding_cache_remembers_padding_inside_the_window():
+    """A step whose n-gram window holds a cached pad reads only the orders after it;
+    branching from a padded cache leaves it unchanged."""
+    torch.manual_seed(12)
+    engram = EngramModule(16, 8, num_heads=2, table_size=13, max_ngram=3, backend="reference")
+    x = torch.randn(1, 4, 16)
+    keep = torch.tensor([[0, 0, 1, 1]], dtype=torch.bool)
+    with torch.no_grad():
+        prefill = engram(x[:, :3], attention_mask=keep[:, :3])
+        assert prefill.cache.prefix_keep.tolist() == [[False, True]]
+        step = engram(x[:, 3:], prefill.cache)
+        other = engram(torch.randn(1, 1, 16), prefill.cache)
+        assert prefill.cache.prefix_keep.tolist() == [[False, True]] and other.cache.prefix_keep.tolist() == [[True, True]]
+        alone = engram(x[:, 2:])
+    torch.testing.assert_close(step.retrieved, alone.retrieved[:, 1:], atol=0, rtol=0)
+    assert step.cache.prefix_keep.tolist() == [[True, True]]
 
 
 def test_gradcheck_fusion_float64():

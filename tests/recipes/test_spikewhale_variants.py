@@ -88,3 +88,19 @@ def test_config_errors_name_the_key():
         sw.build(dataclasses.replace(sw.SpikeWhaleConfig(), **dict(TINY, nope_head_dim=3)))
     with pytest.raises(ConfigError, match="attention_dropout"):
         sw.build(dataclasses.replace(sw.SpikeWhaleConfig(), **TINY, use_elo=True, attention_dropout=0.1))
+
+
+def test_engram_input_stage_receives_the_padding_mask():
+    """The model's keep mask reaches Engram: a left-padded row's n-gram read equals
+    the unpadded row's (pads read zero, never enter a kept token's n-gram)."""
+    c = dataclasses.replace(sw.SpikeWhaleConfig(), **TINY, use_engram=True, engram_fusion_layers=[1])
+    model = perturbed(sw.build(c, backend="reference")).eval()
+    reads = []
+    model.model.engram.register_forward_hook(lambda m, args, out: reads.append(out.retrieved))
+    ids = torch.randint(1, 64, (1, 5))
+    keep = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        model(torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1), keep)
+        model(ids)
+    assert (reads[0][:, :3] == 0).all()
+    torch.testing.assert_close(reads[0][:, 3:], reads[1])

@@ -1,11 +1,11 @@
-import functools
+import contextlib
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from laminae.primitives import ConfigError, DTypeError
+from laminae.primitives import ConfigError, DTypeError, ShapeError
 from laminae.primitives.engram import (
     EngramLayerFusion,
     EngramModule,
@@ -16,6 +16,7 @@ from laminae.primitives.engram import (
     engram_lookup_reference,
 )
 from laminae.triton_ops.engram import (
+    BWD_TILES,
     engram_bucket_ids_triton,
     engram_fusion,
     engram_fusion_gate,
@@ -27,8 +28,30 @@ from laminae.triton_ops.engram import (
 from .._helpers import DEVICE, assert_parity, scales, seeds
 
 
+@contextlib.contextmanager
+def bwd_chunk(block_e):
+    """Set the table-gradient chunk (16 is the GPU's and the smallest a tl.dot takes):
+    busy buckets cross chunk edges (head, middle and carry pieces, the fix-up walk)."""
+    saved = BWD_TILES["BLOCK_E"]
+    BWD_TILES["BLOCK_E"] = block_e
+    try:
+        yield
+    finally:
+        BWD_TILES["BLOCK_E"] = saved
+
+
+def _padding(kind, batch, length, gen):
+    """None, left padding (ragged), or random holes: a (batch, length) bool keep mask."""
+    if kind == "none" or length == 0:
+        return None
+    if kind == "left":
+        pads = torch.randint(0, length + 1, (batch,), generator=gen)
+        return (torch.arange(length)[None, :] >= pads[:, None]).to(DEVICE)
+    return (torch.rand(batch, length, generator=gen) > 0.3).to(DEVICE)
+
+
 def _lookup_inputs(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy, scale, seed,
-                   dtype=torch.float32, table_dtype=torch.float32):
+                   dtype=torch.float32, table_dtype=torch.float32, padding="none"):
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     lookup = MultiHeadHashLookup(heads, table_size, dc, d, max_ngram, legacy_trunc=legacy)
@@ -43,6 +66,13 @@ def _lookup_inputs(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, 
     }
     if prefix_len:
         inp["prefix"] = (torch.randn(batch, prefix_len, dc, generator=gen) * scale).to(DEVICE, dtype)
+    mask = _padding(padding, batch, seq, gen)
+    if mask is not None:
+        # padded contents are NaN: they must never reach a kept position's read
+        inp["compressed"] = torch.where(mask[..., None], inp["compressed"], float("nan"))
+        inp["attention_mask"] = mask
+        if prefix_len:
+            inp["prefix_mask"] = _padding("holes", batch, prefix_len, gen)
     return inp
 
 
@@ -54,40 +84,46 @@ lookup_shapes = dict(
 )
 
 
-@given(deterministic=st.booleans(), **lookup_shapes)
+@given(padding=st.sampled_from(["none", "left", "holes"]), block_e=st.sampled_from([16, 32]), **lookup_shapes)
 def test_lookup_matches_reference_fp32(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy,
-                                       scale, seed, deterministic):
-    inp = _lookup_inputs(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy, scale * 3, seed)
-    op = functools.partial(engram_lookup, deterministic=deterministic)
-    assert_parity(op, engram_lookup_reference, inp, ["tables"])
+                                       scale, seed, padding, block_e):
+    inp = _lookup_inputs(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy, scale * 3, seed,
+                         padding=padding)
+    with bwd_chunk(block_e):
+        assert_parity(engram_lookup, engram_lookup_reference, inp, ["tables"])
     # the kernel addressed exactly the reference's buckets
-    args = {k: v for k, v in inp.items() if k not in ("prefix",)}
-    got = engram_bucket_ids_triton(**args, prefix=inp.get("prefix"))
+    got = engram_bucket_ids_triton(**inp)
     full = inp["compressed"] if not prefix_len else torch.cat([inp["prefix"], inp["compressed"]], 1)
+    keep = inp.get("attention_mask")
+    if keep is not None and prefix_len:
+        keep = torch.cat([inp["prefix_mask"], keep], 1)
     expected = engram_bucket_ids(full, inp["hash_projs"], inp["bit_weights"], table_size,
-                                 legacy_trunc=legacy)[:, prefix_len:]
+                                 legacy_trunc=legacy, attention_mask=keep)[:, prefix_len:]
     assert torch.equal(got, expected)
 
 
 @given(**(lookup_shapes | dict(seq=st.integers(1, 12), d=st.integers(1, 40))))
-def test_deterministic_backward_equals_atomic_backward(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len,
-                                                       legacy, scale, seed):
+def test_table_gradient_is_reproducible_and_independent_of_chunking(batch, seq, heads, max_ngram, table_size, dc, d,
+                                                                   prefix_len, legacy, scale, seed):
     inp = _lookup_inputs(batch, seq, heads, max_ngram, table_size, dc, d, prefix_len, legacy, scale, seed)
+    tables = inp["tables"].clone().requires_grad_()
+    out = engram_lookup(**(inp | {"tables": tables}))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
     grads = []
-    for det in (False, True, True):
-        tables = inp["tables"].clone().requires_grad_()
-        out = engram_lookup(**(inp | {"tables": tables}), deterministic=det)
-        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out)
-        grads.append(torch.autograd.grad(out, tables, g)[0])
+    for block_e in (32, 16, 16):  # the chunk is chosen when the backward runs
+        with bwd_chunk(block_e):
+            grads.append(torch.autograd.grad(out, tables, g, retain_graph=True)[0])
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-5)
-    assert torch.equal(grads[1], grads[2])  # reproducible bit for bit
+    assert torch.equal(grads[1], grads[2])  # no atomics: reproducible bit for bit
 
 
-def test_lookup_with_many_collisions_and_hot_buckets():
-    # one bucket: every (row, order, head) lands on row 0 of each table
+@pytest.mark.parametrize("block_e", [16, 64])
+def test_lookup_with_many_collisions_and_hot_buckets(block_e):
+    # one bucket: every (row, order, head) lands on row 0 of each table; with 16-entry
+    # chunks each table's bucket spans several chunks (head, middle and carry pieces)
     inp = _lookup_inputs(2, 10, 2, 3, 1, 8, 33, 2, False, 1.0, 5)
-    assert_parity(engram_lookup, engram_lookup_reference, inp, ["tables"])
-    assert_parity(functools.partial(engram_lookup, deterministic=True), engram_lookup_reference, inp, ["tables"])
+    with bwd_chunk(block_e):
+        assert_parity(engram_lookup, engram_lookup_reference, inp, ["tables"])
 
 
 def test_lookup_accepts_a_list_of_tables_and_long_rows():
@@ -224,7 +260,8 @@ def test_triton_rejects_float64_and_unsupported_sizes():
 def test_opcheck_schema_and_autograd_registration():
     inp = _lookup_inputs(2, 5, 2, 3, 7, 8, 6, 0, False, 1.0, 1)
     tables = [t.clone().requires_grad_() for t in inp["tables"].unbind(0)]
-    args = (inp["compressed"], inp["hash_projs"], inp["bit_weights"], tables, 1, False, False)
+    fit = torch.tensor([1, 2, 3, 0, 1] * 2, dtype=torch.int32, device=DEVICE)
+    args = (inp["compressed"], inp["hash_projs"], inp["bit_weights"], tables, fit, 0, False)
     torch.library.opcheck(engram_lookup_fused, args, test_utils=("test_schema", "test_autograd_registration"))
     gate_args = tuple(torch.randn(5, 12, device=DEVICE, requires_grad=True) for _ in range(3))
     gate_args += tuple(torch.ones(12, device=DEVICE, requires_grad=True) for _ in range(2)) + (1e-6,)
@@ -236,9 +273,9 @@ def test_opcheck_schema_and_autograd_registration():
 def test_opcheck_full_gpu():
     inp = _lookup_inputs(2, 64, 2, 3, 97, 32, 128, 0, False, 1.0, 1)
     tables = [t.clone().requires_grad_() for t in inp["tables"].unbind(0)]
-    for det in (False, True):
-        torch.library.opcheck(engram_lookup_fused,
-                              (inp["compressed"], inp["hash_projs"], inp["bit_weights"], tables, 2, False, det))
+    fit = torch.full((2 * 62,), 3, dtype=torch.int32, device="cuda")
+    torch.library.opcheck(engram_lookup_fused, (inp["compressed"], inp["hash_projs"], inp["bit_weights"], tables, fit,
+                                                2, False))
     gate_args = tuple(torch.randn(64, 256, device="cuda", requires_grad=True) for _ in range(3))
     gate_args += tuple(torch.ones(256, device="cuda", requires_grad=True) for _ in range(2)) + (1e-6,)
     torch.library.opcheck(engram_fusion_gate_fused, gate_args)
@@ -276,3 +313,112 @@ def test_compile_fullgraph_smoke():
     y = torch.compile(step, fullgraph=True)(x)
     y.sum().backward()
     torch.testing.assert_close(y, step(x))
+
+
+def test_fusion_gate_backward_programs_stride_over_row_blocks():
+    # 300 rows of F=16: 5 blocks of 64 rows for at most 4 programs here, so one program
+    # accumulates the norm-weight gradients of two blocks (the persistent loop)
+    gen = torch.Generator().manual_seed(7)
+    f = 16
+    inp = {k: torch.randn(300, f, generator=gen).to(DEVICE) for k in ("hidden_low", "key_low", "value")}
+    inp |= {k: (1 + 0.3 * torch.randn(f, generator=gen)).to(DEVICE) for k in ("hidden_norm_weight", "ngram_norm_weight")}
+    assert_parity(engram_fusion_gate, engram_fusion_gate_reference, inp, list(inp))
+
+
+# ----------------------------------------------------------------------------
+# Padding (attention_mask) through the module, both backends
+# ----------------------------------------------------------------------------
+
+
+def _masked_engram(backend):
+    torch.manual_seed(4)
+    engram = EngramModule(24, 8, num_heads=2, table_size=13, max_ngram=3, gate_init_bias=0.5, backend=backend)
+    engram.gate.backend = "reference"  # the DERF gate kernel is tested with DERF
+    return engram.to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_left_padded_row_equals_the_unpadded_row(backend):
+    """Row 0 is ``a`` (7 tokens) after 3 NaN pads, row 1 is ``b`` (10 tokens): each kept
+    read equals the sequence run alone, pads output exactly zero, and the gradients
+    (tables and x) equal the two unpadded runs' with none at the pads."""
+    engram = _masked_engram(backend)
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1, 7, 24, generator=gen).to(DEVICE), torch.randn(1, 10, 24, generator=gen).to(DEVICE)
+    x = torch.cat([torch.cat([torch.full((1, 3, 24), float("nan"), device=DEVICE), a], 1), b], 0).requires_grad_()
+    mask = torch.ones(2, 10, dtype=torch.bool, device=DEVICE)
+    mask[0, :3] = False
+    upstream = torch.randn(2, 10, 24, generator=gen).to(DEVICE)
+    tables = [t.weight for t in engram.lookup.tables]
+    res = engram(x, attention_mask=mask)
+    loss = (res.output * upstream).sum() + (res.retrieved * upstream).sum()
+    grads = torch.autograd.grad(loss, [x, *tables])
+    assert (res.output[0, :3] == 0).all() and (res.retrieved[0, :3] == 0).all()
+    assert (grads[0][0, :3] == 0).all() and torch.isfinite(grads[0]).all()
+    expected_tables = [torch.zeros_like(t) for t in tables]
+    for row, seq, start in ((0, a, 3), (1, b, 0)):
+        seq = seq.clone().requires_grad_()
+        alone = engram(seq)
+        torch.testing.assert_close(res.output[row:row + 1, start:], alone.output)
+        torch.testing.assert_close(res.retrieved[row:row + 1, start:], alone.retrieved)
+        g = upstream[row:row + 1, start:]
+        parts = torch.autograd.grad((alone.output * g).sum() + (alone.retrieved * g).sum(), [seq, *tables])
+        torch.testing.assert_close(grads[0][row:row + 1, start:], parts[0])
+        expected_tables = [e + p for e, p in zip(expected_tables, parts[1:])]
+    for got, want in zip(grads[1:], expected_tables):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_hole_restarts_the_ngrams(backend):
+    """A dropped position in the middle splits the row: the tokens after it read as
+    the start of a new sequence, the hole reads zero, NaN in it reaches nothing."""
+    engram = _masked_engram(backend)
+    x = torch.randn(2, 9, 24, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    mask = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
+    mask[:, 4] = False
+    poisoned = torch.where(mask[..., None], x, float("nan"))
+    with torch.no_grad():
+        out = engram(poisoned, attention_mask=mask)
+        before, after = engram(x[:, :4]), engram(x[:, 5:])
+    assert (out.output[:, 4] == 0).all() and (out.retrieved[:, 4] == 0).all()
+    torch.testing.assert_close(out.retrieved[:, :4], before.retrieved)
+    torch.testing.assert_close(out.retrieved[:, 5:], after.retrieved)
+    torch.testing.assert_close(out.output[:, 5:], after.output)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("prefill", [1, 4])
+def test_left_padded_prefill_then_steps_equals_the_unpadded_run(backend, prefill):
+    """Row 0 has 3 pads: a prefill of 1 or 4 positions leaves padding inside the
+    cached n-gram window, which the steps after it must not read across."""
+    engram = _masked_engram(backend)
+    x = torch.randn(2, 9, 24, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    mask = torch.ones(2, 9, dtype=torch.bool, device=DEVICE)
+    mask[0, :3] = False
+    x = torch.where(mask[..., None], x, float("nan"))
+    with torch.no_grad():
+        full = engram(x, attention_mask=mask)
+        res = engram(x[:, :prefill], attention_mask=mask[:, :prefill])
+        reads, outs, cache = [res.retrieved], [res.output], res.cache
+        for t in range(prefill, 9):
+            res = engram(x[:, t:t + 1], cache, attention_mask=mask[:, t:t + 1])
+            reads.append(res.retrieved)
+            outs.append(res.output)
+            cache = res.cache
+        alone = engram(x[:1, 3:])
+    torch.testing.assert_close(torch.cat(reads, 1), full.retrieved, atol=0, rtol=0)
+    torch.testing.assert_close(torch.cat(outs, 1), full.output)
+    torch.testing.assert_close(full.retrieved[:1, 3:], alone.retrieved)
+
+
+def test_mask_errors():
+    engram = _masked_engram("triton")
+    x = torch.randn(2, 5, 24, device=DEVICE)
+    with pytest.raises(ValueError, match="additive"):
+        engram(x, attention_mask=torch.where(torch.rand(2, 5) > 0.5, 0.0, float("-inf")).to(DEVICE))
+    with pytest.raises(ShapeError, match="attention_mask"):
+        engram(x, attention_mask=torch.ones(2, 4, dtype=torch.bool, device=DEVICE))
+    inp = _lookup_inputs(1, 4, 2, 2, 5, 8, 6, 0, False, 1.0, 0)
+    with pytest.raises(ShapeError, match="prefix_mask"):
+        engram_lookup(**inp, prefix_mask=torch.ones(1, 2, dtype=torch.bool, device=DEVICE))
