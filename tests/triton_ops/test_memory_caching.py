@@ -19,7 +19,7 @@ GRADS = ["q", "k", "v", "u", "p"]
 # BLOCK_D, as the 16-bit GPU tiles; slabs, BLOCK_E < BLOCK_D, as fp32); dM split over
 # programs (BLOCK_R < BLOCK_D, as at D = 128); bwd_kv query steps shorter than its
 # key block (BLOCK_Q < BLOCK_L, as at D = 128).
-SMALL_BLOCKS = {16: (4, 4, 16, 8, 4, 1), 32: (8, 4, 8, 16, 4, 1), 64: (8, 4, 64, 32, 4, 1),
+SMALL_BLOCKS = {16: (8, 8, 16, 8, 4, 1), 32: (8, 8, 16, 16, 4, 1), 64: (16, 8, 64, 32, 4, 1),
                 128: (8, 8, 32, 64, 4, 1)}
 # The 16-bit ("16bit") layout at small scale: 32-row blocks, whole tiles in registers
 # (BLOCK_E == BLOCK_D), dM row split and half-height bwd_kv query steps.
@@ -65,13 +65,14 @@ def test_kernel_edge_lengths(S, L):
 @pytest.mark.parametrize("S, L, D, small", [(37, 12, 64, True), (21, 8, 128, False), (26, 16, 96, True),
                                              (40, 20, 24, True)])
 def test_kernel_row_blocks_and_memory_slabs(S, L, D, small):
-    """Segment lengths that are not a multiple of BLOCK_L, head dims padded to the
-    block, and D = 128 (BLOCK_E < BLOCK_D at the launch configuration)."""
+    """Segment lengths that are not a multiple of BLOCK_L (row blocks that cross a
+    segment boundary), head dims padded to the block, and D = 128 (BLOCK_E < BLOCK_D
+    at the fp32 launch configuration)."""
     inp = _inputs(1, S, 2, D, 6, L, True, 1.0, S + D)
     with pytest.MonkeyPatch.context() as mp:
         if small:
             mp.setitem(mc.CONFIGS, "fp32", SMALL_BLOCKS)
-        assert mc._config("fp32", D)[0] < L or not small
+        assert mc._config("fp32", D)[0] < S or not small          # several row blocks
         assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
 
 
