@@ -11,8 +11,8 @@ Split of the work:
 - Four kernels over row blocks of BLOCK_L tokens of the *sequence*, as flash
   attention tiles it; a block may hold the tail of one segment and the head of the
   next (segments shorter than a block, or not a multiple of it), so BLOCK_L is
-  chosen for the hardware, not for segment_len: 64–128 rows on the 16-bit path, so
-  each D×D memory tile a program loads feeds a 64–128-row matrix product
+  chosen for the hardware, not for segment_len: 64 rows on the aligned 16-bit path, so
+  each D×D memory tile a program loads feeds a 64-row matrix product
   (wgmma). D is padded to BLOCK_D = max(16, next_power_of_2(D)) with masked loads.
   The fp32 path keeps "ieee" dots on the FMA units, whose operands live in
   registers: it reads a memory in slabs of BLOCK_E rows or columns (BLOCK_E <
@@ -33,10 +33,10 @@ Backward with dN = g/D_t and dD = −(g·y)/D_t (torch, an O(S) row statistic):
          ``_mc_bwd_mem_kernel``, program (segment i, b·h, BLOCK_R rows of dM):
          walks the tokens after segment i in blocks of BLOCK_L rows,
          dM_i = Σ (γ_i·φq)ᵀ·dN, dz_i = Σ γ_i·dD·φq (dM in the input dtype, dz fp32).
-         ``_mc_bwd_kv_kernel``, program (key row block, b·h): the query blocks
-         of the block's segments from the diagonal on (causal part), then the
-         memory share of each segment j in the block: dv += κφK_j·dM_j,
-         dφk += V_j·dM_jᵀ + dz_j; writes dk, dv.
+         ``_mc_bwd_kv_kernel``, program (key row block, b·h): two walks over
+         the query blocks (BLOCK_Q rows) of the block's segments from the
+         diagonal on, one for dv = Aᵀ·(γ dN) + κφK_j·dM_j, one for
+         dφk = dAᵀ·φQ + V_j·dM_jᵀ + dz_j (one accumulator live at a time).
 
 No (segments × segments × L × D) tensor exists; every program walks at most N
 memories (or the S tokens after its segment) at O(BLOCK_L·D²) per step, so the
