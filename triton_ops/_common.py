@@ -80,6 +80,9 @@ class StaticCase:
     ``expect`` names the tensor-core instruction kind the SASS must contain ("HGMMA"
     for a 16-bit matmul-shaped kernel built for Hopper's wgmma; "" checks nothing):
     the static check fails a configuration that silently fell back to mma.sync.
+    ``aligned`` names the arguments the launch specialises as multiples of 16, as
+    Triton does for a 16-byte-aligned pointer or an int divisible by 16 (a launcher
+    that picks this configuration only for such arguments lists them here).
     """
 
     name: str
@@ -90,6 +93,7 @@ class StaticCase:
     num_stages: int = 3
     tags: dict[str, Any] = field(default_factory=dict)
     expect: str = ""
+    aligned: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:

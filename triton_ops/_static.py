@@ -302,6 +302,8 @@ def case_key(case, memo: dict | None = None) -> str:
     what = dict(schema=SCHEMA, target=list(TARGET), triton=triton.__version__, source=source_key(case.kernel, memo),
                 signature=dict(case.signature), constexprs={k: repr(v) for k, v in case.constexprs.items()},
                 num_warps=case.num_warps, num_stages=case.num_stages)
+    if case.aligned:  # only then, so the keys of cases without it stay as they were
+        what["aligned"] = sorted(case.aligned)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -358,7 +360,8 @@ def compile_case(job: Job) -> dict:
         with knobs.nvidia.scope(), redirect_stdout(log):
             knobs.nvidia.dump_ptxas_log = True
             compiled = triton.compile(
-                ASTSource(fn=case.kernel, signature=signature, constexprs=dict(case.constexprs)),
+                ASTSource(fn=case.kernel, signature=signature, constexprs=dict(case.constexprs),
+                          attrs={(case.kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in case.aligned}),
                 target=GPUTarget(*TARGET), options={"num_warps": case.num_warps, "num_stages": case.num_stages})
     except Exception as exc:  # the entry carries the reason; the check fails on it
         msg = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]

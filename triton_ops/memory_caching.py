@@ -1,38 +1,48 @@
-"""Memory Caching kernels: a chunked forward and backward, tiled within segments.
+"""Memory Caching kernels: a chunked forward and backward over sequence row blocks.
 
 Split of the work:
 
 - Gates γ [B, S, N] (torch, :func:`segment_gates`, differentiable): pools, the
   causal running pool, ⟨u, pool⟩ scores and the softmax over segments i ≤ s.
   O(B·S·N·G) work, no head or head-dim factor; autograd takes dγ back to u and p.
-- Full memories M_i = Σ κφ(k)vᵀ [B, H, N, D, D] and z_i [B, H, N, D] (torch, one
-  einsum; O(N·D²) per head), recomputed in backward.
-- Four kernels. A segment of L tokens is cut into row blocks of BLOCK_L rows
-  (NB = ⌈min(L, S)/BLOCK_L⌉ per segment), as causal flash attention cuts a
-  sequence; D is padded to BLOCK_D = max(16, next_power_of_2(D)) with masked loads.
-  A d×d memory is read in slabs of BLOCK_E rows or columns when BLOCK_E < BLOCK_D
-  (D = 128), so no program holds a whole segment or a whole 128 × 128 matrix:
+- Full memories M_i = Σ κφ(k)vᵀ [B, H, N, D, D] (fp32 sums, stored in the input
+  dtype: the dot operand) and z_i [B, H, N, D] (fp32) (torch, one einsum;
+  O(N·D²) per head), recomputed in backward.
+- Four kernels over row blocks of BLOCK_L tokens of the *sequence*, as flash
+  attention tiles it; a block may hold the tail of one segment and the head of the
+  next (segments shorter than a block, or not a multiple of it), so BLOCK_L is
+  chosen for the hardware, not for segment_len: 64 rows on the aligned 16-bit path, so
+  each D×D memory tile a program loads feeds a 64-row matrix product
+  (wgmma). D is padded to BLOCK_D = max(16, next_power_of_2(D)) with masked loads.
+  The fp32 path keeps "ieee" dots on the FMA units, whose operands live in
+  registers: it reads a memory in slabs of BLOCK_E rows or columns (BLOCK_E <
+  BLOCK_D) with 16-row blocks.
 
-Forward  ``_mc_fwd_kernel``, program (row block of segment s, b·h): own segment
-         causally over its row blocks ≤ the query block (A = φQ·κφKᵀ, masked on
-         the diagonal block; γ_s·A·V, γ_s·ΣA), then walks i < s loading M_i, z_i:
-         acc += γ_i·φQ·M_i, den += γ_i·φQ·z_i. Writes y = acc/(den + eps) and
-         D_t = den + eps (fp32 [B, H, S]).
+Forward  ``_mc_fwd_kernel``, program (row block, b·h): own segment causally
+         (A = φQ·κφKᵀ over the key blocks from the first row's segment start to
+         the diagonal, masked to same segment and key ≤ query; γ_s·A·V,
+         γ_s·ΣA), then walks the memories i below the block's last segment:
+         acc += (γ_i·φQ)·M_i, den += γ_i·φQ·z_i (γ_i = 0 for rows in segments ≤ i).
+         Writes y = acc/(den + eps) and D_t = den + eps (fp32 [B, H, S]).
 Backward with dN = g/D_t and dD = −(g·y)/D_t (torch, an O(S) row statistic):
          ``_mc_bwd_q_kernel``, program (query row block, b·h): dq and
-         ∂ℓ/∂γ_i = dN·num_i + dD·den_i for every i ≤ s (per head, [B, H, S, N];
-         torch sums the heads), walking like the forward.
-         ``_mc_bwd_mem_kernel``, program (segment i, b·h, slab of BLOCK_E rows of
-         dM): walks the tokens after segment i in blocks of BLOCK_L rows,
-         dM_i = Σ γ_i·φq·dNᵀ, dz_i = Σ γ_i·dD·φq (fp32 [B, H, N, D, D] and [B, H, N, D]).
-         ``_mc_bwd_kv_kernel``, program (key row block of segment i, b·h): the own
-         segment's query row blocks ≥ the key block (causal part), then the
-         memory share V·dM_iᵀ + dz_i, κφK·dM_i; writes dk, dv.
+         ∂ℓ/∂γ_i per head ([B, H, S, N]; torch sums the heads), walking like the
+         forward. With T_i = dN·M_iᵀ + dD·z_iᵀ: ∂ℓ/∂γ_i = φq·T_i and
+         dφq += γ_i·T_i (one D×D product per memory; on the own segment
+         ∂ℓ/∂γ_s = Σ A∘dA with dA = dN·Vᵀ + dD).
+         ``_mc_bwd_mem_kernel``, program (segment i, b·h, BLOCK_R rows of dM):
+         walks the tokens after segment i in blocks of BLOCK_L rows,
+         dM_i = Σ (γ_i·φq)ᵀ·dN, dz_i = Σ γ_i·dD·φq (dM in the input dtype, dz fp32).
+         ``_mc_bwd_kv_kernel``, program (key row block, b·h): two walks over
+         the query blocks (BLOCK_Q rows) of the block's segments from the
+         diagonal on, one for dv = Aᵀ·(γ dN) + κφK_j·dM_j, one for
+         dφk = dAᵀ·φQ + V_j·dM_jᵀ + dz_j (one accumulator live at a time).
 
 No (segments × segments × L × D) tensor exists; every program walks at most N
-segments (or the S tokens after its segment) at O(BLOCK_L·D²) per step, so the
+memories (or the S tokens after its segment) at O(BLOCK_L·D²) per step, so the
 cost is linear in S for a fixed number of segments. fp32 accumulation;
-fp32/bf16/fp16 inputs. Nothing is written twice: no atomics.
+fp32/bf16/fp16 inputs, 16-bit dot operands for 16-bit inputs. Nothing is written
+twice: no atomics.
 """
 from __future__ import annotations
 
@@ -53,13 +63,35 @@ __all__ = ["memory_caching", "memory_caching_core", "segment_gates", "supports_t
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 128
-# BLOCK_D (head dim padded to a power of two >= 16) -> (largest BLOCK_L, BLOCK_E, num_warps,
-# num_stages); launches use exactly these (num_stages included) so the static check sees them.
-# BLOCK_L = min(largest, max(16, next_power_of_2(L))): any segment length is a runtime
-# loop over row blocks. BLOCK_E < BLOCK_D reads the d×d memories in slabs. Every
-# (BLOCK_L, BLOCK_D) this can produce is listed by static_cases() and compiles for
-# sm_90 without spills.
-CONFIGS = {16: (16, 16, 8, 2), 32: (16, 32, 8, 1), 64: (16, 32, 8, 2), 128: (16, 16, 8, 1)}
+# Input kind -> BLOCK_D (head dim padded to a power of two >= 16) ->
+# (BLOCK_L, BLOCK_Q, BLOCK_E, BLOCK_R, num_warps, num_stages); launches use exactly
+# these, and static_cases() lists each one.
+#   BLOCK_L  rows of the sequence per program (any segment_len: blocks cross segments)
+#   BLOCK_Q  query rows per step of _mc_bwd_kv_kernel's own-segment loop (divides BLOCK_L)
+#   BLOCK_E  memory slab width; == BLOCK_D keeps the whole φQ/dN tile in registers
+#   BLOCK_R  rows of dM per _mc_bwd_mem_kernel program (more programs at D = 128)
+# "16bit": bf16/fp16 with head_dim % 16 == 0 and 16-byte-aligned tensors (what Triton
+#   specialises at launch: vector loads): 64-row tiles against a D × D memory, wgmma
+#   (M = 64 per warpgroup; 8 warps split N).
+# "16bit-unaligned": any other head dim or an unaligned view: element-wise address
+#   tiles cost registers, so 16-row tiles (mma.sync).
+# "fp32": "ieee" dots on the FMA units hold their operands in registers; 32-row blocks
+#   spill there, so fp32 keeps 16 rows and slabs at D ≥ 64.
+CONFIGS = {
+    "16bit": {16: (64, 64, 16, 16, 8, 2), 32: (64, 64, 32, 32, 4, 2), 64: (64, 64, 64, 64, 8, 2),
+              128: (64, 32, 128, 64, 8, 1)},
+    "16bit-unaligned": {16: (16, 16, 16, 16, 4, 2), 32: (16, 16, 32, 32, 4, 2), 64: (16, 16, 64, 32, 4, 2),
+                        128: (16, 16, 32, 32, 8, 1)},
+    "fp32": {16: (16, 16, 16, 16, 8, 2), 32: (16, 16, 32, 32, 4, 1), 64: (16, 16, 32, 32, 8, 2),
+             128: (16, 16, 16, 16, 8, 1)},
+}
+# arguments a "16bit" launch has as multiples of 16 (static_cases passes them to the compile)
+_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "mem_ptr", "y_ptr", "g_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dmem_ptr", "D")
+
+
+# ----------------------------------------------------------------------------
+# Tile helpers
+# ----------------------------------------------------------------------------
 
 
 @triton.jit
@@ -68,162 +100,220 @@ def _phi(x):
 
 
 @triton.jit
+def _operand(x, dtype: tl.constexpr):
+    """``x`` as a dot operand of ``dtype``. fp16 saturates at ±65504: a 1/den factor
+    (den ≥ eps) can exceed fp16's range on rows whose every read is empty (left
+    padding), where it multiplies exact zeros; inf·0 would be NaN in the product."""
+    if dtype == tl.float16:
+        x = tl.clamp(x, -65504.0, 65504.0)
+    return x.to(dtype)
+
+
+@triton.jit
+def _row_block(blk, b, h, S, H, D, L, cd, BLOCK_L: tl.constexpr):
+    """Tokens of sequence row block ``blk``: (tok, their segment, tok < S, the element
+    offset of [b, tok, h, 0] from :func:`_block_start`, the [BLOCK_L, BLOCK_D] load mask).
+    The offsets are int32 (one block spans BLOCK_L·H·D elements); the 64-bit part is
+    the scalar block start, so no tile of 64-bit addresses stays live in registers."""
+    tok = blk * BLOCK_L + tl.arange(0, BLOCK_L)
+    ok = tok < S
+    hd = tl.arange(0, BLOCK_L) * (H * D)
+    return tok, tok // L, ok, hd, ok[:, None] & (cd < D)[None, :]
+
+
+@triton.jit
+def _block_start(blk, b, h, S, H, D, BLOCK_L: tl.constexpr):
+    """Element offset (int64) of [b, blk·BLOCK_L, h, 0] in a [B, S, H, D] tensor."""
+    return (b * S + blk * BLOCK_L) * H * D + h * D
+
+
+@triton.jit
+def _load_rows(ptr, hd, cols, mask):
+    return tl.load(ptr + hd[:, None] + cols[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _phi_rows(ptr, hd, cols, mask):
+    """φ of a row tile in fp32; 0 outside ``mask`` (φ(0) = 1 would leak)."""
+    return tl.where(mask, _phi(_load_rows(ptr, hd, cols, mask).to(tl.float32)), 0.0)
+
+
+@triton.jit
+def _key_tiles(k_ptr, v_ptr, keep_ptr, b, S, tok, ok, hd, cd, mask):
+    """κφ(K) and V of a key row block in the input dtype, and the kept rows. Padded
+    keys are never loaded (their contents, even NaN, cannot reach a product)."""
+    kept = ok & (tl.load(keep_ptr + b * S + tok, mask=ok, other=0.0) > 0)
+    m = mask & kept[:, None]
+    phk = _operand(_phi_rows(k_ptr, hd, cd, m), k_ptr.dtype.element_ty)
+    return phk, _load_rows(v_ptr, hd, cd, m), kept
+
+
+@triton.jit
+def _own_mask(row_tok, row_seg, col_tok, col_seg, ROWS_ARE_QUERIES: tl.constexpr):
+    """Own-segment causal mask: same segment and key ≤ query."""
+    same = row_seg[:, None] == col_seg[None, :]
+    if ROWS_ARE_QUERIES:
+        return same & (col_tok[None, :] <= row_tok[:, None])
+    return same & (row_tok[:, None] <= col_tok[None, :])
+
+
+@triton.jit
+def _matrix(ptr, base, rows, cols, D, TRANS: tl.constexpr):
+    """[rows, cols] tile of the D×D matrix at ``ptr + base·D`` (of its transpose if
+    TRANS), in the stored dtype; 0 outside D."""
+    m = (rows < D)[:, None] & (cols < D)[None, :]
+    ptr += base * D
+    if TRANS:
+        return tl.load(ptr + cols[None, :] * D + rows[:, None], mask=m, other=0.0)
+    return tl.load(ptr + rows[:, None] * D + cols[None, :], mask=m, other=0.0)
+
+
+@triton.jit
+def _times_matrix(acc, x, x_ptr, hd, rows_ok, scale, PHI: tl.constexpr, mat_ptr, base, cd, D,
+                  TRANS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr, PRECISION: tl.constexpr):
+    """``acc + (scale·X)·Mat`` (``Matᵀ`` if TRANS), Mat the D×D matrix at ``mat_ptr +
+    base·D``, operands in Mat's dtype. X [BLOCK_L, BLOCK_D] is ``x`` (registers, 0
+    outside ``rows_ok``) when one slab covers D; otherwise X is reloaded from
+    ``x_ptr`` in slabs of BLOCK_E columns (φ applied if PHI) against BLOCK_E rows of Mat."""
+    op = mat_ptr.dtype.element_ty
+    if BLOCK_E == BLOCK_D:
+        mat = _matrix(mat_ptr, base, cd, cd, D, TRANS)
+        acc = tl.dot(_operand(scale[:, None] * x, op), mat, acc, input_precision=PRECISION)
+    else:
+        ce = tl.arange(0, BLOCK_E)
+        for e0 in range(0, D, BLOCK_E):
+            cs = e0 + ce
+            m = rows_ok[:, None] & (cs < D)[None, :]
+            if PHI:
+                xs = _phi_rows(x_ptr, hd, cs, m)
+            else:
+                xs = _load_rows(x_ptr, hd, cs, m).to(tl.float32)
+            mat = _matrix(mat_ptr, base, cs, cd, D, TRANS)
+            acc = tl.dot(_operand(scale[:, None] * xs, op), mat, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _first_block_of_segment(blk, L, BLOCK_L: tl.constexpr):
+    """Row block holding the first token of the segment of block ``blk``'s first row."""
+    return (blk * BLOCK_L // L) * L // BLOCK_L
+
+
+@triton.jit
+def _last_segment(blk, S, L, BLOCK_L: tl.constexpr):
+    """Segment of the last valid token of row block ``blk``."""
+    return (tl.minimum(blk * BLOCK_L + BLOCK_L, S) - 1) // L
+
+
+# ----------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
 def _mc_fwd_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, mem_ptr, z_ptr, y_ptr, den_ptr,
-                   S, H, D, L, N, NB, eps,
+                   S, H, D, L, N, eps,
                    BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                    PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    seg = pid // NB
-    rb = pid % NB
+    rb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    offs = tl.arange(0, BLOCK_L)
-    r_in = rb * BLOCK_L + offs                       # row within the segment
-    tok = seg.to(tl.int64) * L + r_in
-    row_ok = (r_in < L) & (tok < S)
     cd = tl.arange(0, BLOCK_D)
-    d_ok = cd < D
-    m_hd = row_ok[:, None] & d_ok[None, :]
-    hd = ((b * S + tok) * H + h) * D
+    tok, seg, row_ok, hd, m_hd = _row_block(rb, b, h, S, H, D, L, cd, BLOCK_L)
+    qo = _block_start(rb, b, h, S, H, D, BLOCK_L)
     gam_row = (b * S + tok) * N
-    phq = tl.where(m_hd, _phi(tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)), 0.0)
+    phq = _operand(_phi_rows(q_ptr + qo, hd, cd, m_hd), q_ptr.dtype.element_ty)
 
-    # own segment: causal linear attention over the key row blocks kb <= rb
+    # own segment: causal linear attention over the key blocks from its start
     acc = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     acc_den = tl.zeros([BLOCK_L], dtype=tl.float32)
-    for kb in range(0, rb + 1):
-        k_in = kb * BLOCK_L + offs
-        ktok = seg.to(tl.int64) * L + k_in
-        k_ok = (k_in < L) & (ktok < S)
-        m_k = k_ok[:, None] & d_ok[None, :]
-        khd = ((b * S + ktok) * H + h) * D
-        keep = tl.load(keep_ptr + b * S + ktok, mask=k_ok, other=0.0)
-        phk = tl.where(m_k, _phi(tl.load(k_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)),
-                       0.0) * keep[:, None]
-        v = tl.load(v_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)
+    for kb in range(_first_block_of_segment(rb, L, BLOCK_L), rb + 1):
+        ktok, kseg, k_ok, khd, m_k = _row_block(kb, b, h, S, H, D, L, cd, BLOCK_L)
+        ko = _block_start(kb, b, h, S, H, D, BLOCK_L)
+        phk, v, _ = _key_tiles(k_ptr + ko, v_ptr + ko, keep_ptr, b, S, ktok, k_ok, khd, cd, m_k)
         a = tl.dot(phq, tl.trans(phk), input_precision=PRECISION)
-        a = tl.where(r_in[:, None] >= k_in[None, :], a, 0.0)
-        acc += tl.dot(a, v, input_precision=PRECISION)
+        a = tl.where(_own_mask(tok, seg, ktok, kseg, True), a, 0.0)
+        acc = tl.dot(_operand(a, v.dtype), v, acc, input_precision=PRECISION)
         acc_den += tl.sum(a, axis=1)
     gam = tl.load(gam_ptr + gam_row + seg, mask=row_ok, other=0.0)
     acc = gam[:, None] * acc
     acc_den = gam * acc_den
-    # earlier segments: full memories
-    ce = tl.arange(0, BLOCK_E)
-    for i in range(0, seg):
-        gam = tl.load(gam_ptr + gam_row + i, mask=row_ok, other=0.0)
+    # earlier segments' full memories; rows in segments <= i get γ_i = 0
+    for i in range(0, _last_segment(rb, S, L, BLOCK_L)):
+        gam = tl.load(gam_ptr + gam_row + i, mask=row_ok & (i < seg), other=0.0)
         base = (bh * N + i) * D
-        if BLOCK_E == BLOCK_D:
-            mem = tl.load(mem_ptr + (base + cd[:, None]) * D + cd[None, :], mask=d_ok[:, None] & d_ok[None, :],
-                          other=0.0)
-            num = tl.dot(phq, mem, input_precision=PRECISION)
-        else:
-            # φQ·M_i over slabs of BLOCK_E memory rows (φq columns reloaded per slab)
-            num = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_E):
-                cr = d0 + ce
-                r_ok = cr < D
-                m_r = row_ok[:, None] & r_ok[None, :]
-                phq_r = tl.where(m_r, _phi(tl.load(q_ptr + hd[:, None] + cr[None, :], mask=m_r,
-                                                   other=0.0).to(tl.float32)), 0.0)
-                mem = tl.load(mem_ptr + (base + cr[:, None]) * D + cd[None, :], mask=r_ok[:, None] & d_ok[None, :],
-                              other=0.0)
-                num += tl.dot(phq_r, mem, input_precision=PRECISION)
-        mz = tl.load(z_ptr + base + cd, mask=d_ok, other=0.0)
-        acc += gam[:, None] * num
-        acc_den += gam * tl.sum(phq * mz[None, :], axis=1)
+        acc = _times_matrix(acc, phq, q_ptr + qo, hd, row_ok, gam, True, mem_ptr, base, cd, D, False,
+                            BLOCK_D, BLOCK_E, PRECISION)
+        mz = tl.load(z_ptr + base + cd, mask=cd < D, other=0.0)
+        acc_den += gam * tl.sum(phq.to(tl.float32) * mz[None, :], axis=1)
 
     den = acc_den + eps
-    tl.store(y_ptr + hd[:, None] + cd[None, :], (acc / den[:, None]).to(y_ptr.dtype.element_ty), mask=m_hd)
+    tl.store(y_ptr + qo + hd[:, None] + cd[None, :], (acc / den[:, None]).to(y_ptr.dtype.element_ty), mask=m_hd)
     tl.store(den_ptr + bh * S + tok, den, mask=row_ok)
 
 
 @triton.jit
 def _mc_bwd_q_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, mem_ptr, z_ptr, g_ptr, den_ptr, dden_ptr,
                      dq_ptr, dgam_ptr,
-                     S, H, D, L, N, NB,
+                     S, H, D, L, N,
                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                      PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    seg = pid // NB
-    rb = pid % NB
+    rb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    offs = tl.arange(0, BLOCK_L)
-    r_in = rb * BLOCK_L + offs
-    tok = seg.to(tl.int64) * L + r_in
-    row_ok = (r_in < L) & (tok < S)
     cd = tl.arange(0, BLOCK_D)
-    d_ok = cd < D
-    m_hd = row_ok[:, None] & d_ok[None, :]
-    hd = ((b * S + tok) * H + h) * D
+    tok, seg, row_ok, hd, m_hd = _row_block(rb, b, h, S, H, D, L, cd, BLOCK_L)
+    qo = _block_start(rb, b, h, S, H, D, BLOCK_L)
     gam_row = (b * S + tok) * N
     dgam_row = (bh * S + tok) * N
 
-    phq = tl.where(m_hd, _phi(tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)), 0.0)
-    go = tl.load(g_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
-    den = tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
+    phq = _operand(_phi_rows(q_ptr + qo, hd, cd, m_hd), q_ptr.dtype.element_ty)
+    inv_den = 1.0 / tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
     d_den = tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0)   # ∂ℓ/∂(Σγ·den) = −(g·y)/den
-    d_num = go / den[:, None]                                          # ∂ℓ/∂(Σγ·num)
+    go = _load_rows(g_ptr + qo, hd, cd, m_hd)
+    # dN = g/den enters every product as g with 1/den applied to the fp32 result:
+    # 1/den reaches 1e6 on rows that read nothing (fp16 holds 65504)
 
-    # own segment, key row blocks kb <= rb
+    # own segment: dA = dN·Vᵀ + dD on the causal part; ∂ℓ/∂γ_s = Σ A∘dA, dφq = γ_s·dA·κφK
     dg = tl.zeros([BLOCK_L], dtype=tl.float32)
     dphq = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-    for kb in range(0, rb + 1):
-        k_in = kb * BLOCK_L + offs
-        ktok = seg.to(tl.int64) * L + k_in
-        k_ok = (k_in < L) & (ktok < S)
-        m_k = k_ok[:, None] & d_ok[None, :]
-        khd = ((b * S + ktok) * H + h) * D
-        keep = tl.load(keep_ptr + b * S + ktok, mask=k_ok, other=0.0)
-        phk = tl.where(m_k, _phi(tl.load(k_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)),
-                       0.0) * keep[:, None]
-        v = tl.load(v_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)
-        causal = r_in[:, None] >= k_in[None, :]
+    for kb in range(_first_block_of_segment(rb, L, BLOCK_L), rb + 1):
+        ktok, kseg, k_ok, khd, m_k = _row_block(kb, b, h, S, H, D, L, cd, BLOCK_L)
+        ko = _block_start(kb, b, h, S, H, D, BLOCK_L)
+        phk, v, _ = _key_tiles(k_ptr + ko, v_ptr + ko, keep_ptr, b, S, ktok, k_ok, khd, cd, m_k)
+        causal = _own_mask(tok, seg, ktok, kseg, True)
         a = tl.where(causal, tl.dot(phq, tl.trans(phk), input_precision=PRECISION), 0.0)
-        dg += tl.sum(d_num * tl.dot(a, v, input_precision=PRECISION), axis=1) + d_den * tl.sum(a, axis=1)
-        da = tl.where(causal, tl.dot(d_num, tl.trans(v), input_precision=PRECISION) + d_den[:, None], 0.0)
-        dphq += tl.dot(da, phk, input_precision=PRECISION)
+        da = tl.dot(go, tl.trans(v), input_precision=PRECISION) * inv_den[:, None] + d_den[:, None]
+        da = tl.where(causal, da, 0.0)
+        dg += tl.sum(a * da, axis=1)
+        dphq = tl.dot(_operand(da, phk.dtype), phk, dphq, input_precision=PRECISION)
     gam = tl.load(gam_ptr + gam_row + seg, mask=row_ok, other=0.0)
     dphq = gam[:, None] * dphq
     tl.store(dgam_ptr + dgam_row + seg, dg, mask=row_ok)
-    # earlier segments
-    ce = tl.arange(0, BLOCK_E)
-    for i in range(0, seg):
-        gam = tl.load(gam_ptr + gam_row + i, mask=row_ok, other=0.0)
+    # earlier segments: T_i = dN·M_iᵀ + dD·z_iᵀ, ∂ℓ/∂γ_i = φq·T_i, dφq += γ_i·T_i
+    ones = tl.full([BLOCK_L], 1.0, tl.float32)
+    for i in range(0, _last_segment(rb, S, L, BLOCK_L)):
+        earlier = row_ok & (i < seg)
+        gam = tl.load(gam_ptr + gam_row + i, mask=earlier, other=0.0)
         base = (bh * N + i) * D
-        mz = tl.load(z_ptr + base + cd, mask=d_ok, other=0.0)
-        dg = d_den * tl.sum(phq * mz[None, :], axis=1)
-        if BLOCK_E == BLOCK_D:
-            mem = tl.load(mem_ptr + (base + cd[:, None]) * D + cd[None, :], mask=d_ok[:, None] & d_ok[None, :],
-                          other=0.0)
-            dg += tl.sum(d_num * tl.dot(phq, mem, input_precision=PRECISION), axis=1)
-            dmq = tl.dot(d_num, tl.trans(mem), input_precision=PRECISION)
-        else:
-            # slabs of BLOCK_E memory columns (value dim; dN columns reloaded per slab)
-            dmq = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-            for e0 in range(0, D, BLOCK_E):
-                cc = e0 + ce
-                c_ok = cc < D
-                m_c = row_ok[:, None] & c_ok[None, :]
-                dn_c = tl.load(g_ptr + hd[:, None] + cc[None, :], mask=m_c, other=0.0).to(tl.float32) / den[:, None]
-                mem = tl.load(mem_ptr + (base + cd[:, None]) * D + cc[None, :], mask=d_ok[:, None] & c_ok[None, :],
-                              other=0.0)
-                dg += tl.sum(dn_c * tl.dot(phq, mem, input_precision=PRECISION), axis=1)
-                dmq += tl.dot(dn_c, tl.trans(mem), input_precision=PRECISION)
-        tl.store(dgam_ptr + dgam_row + i, dg, mask=row_ok)
-        dphq += gam[:, None] * (dmq + d_den[:, None] * mz[None, :])
+        mz = tl.load(z_ptr + base + cd, mask=cd < D, other=0.0)
+        t = _times_matrix(tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32), go, g_ptr + qo, hd, row_ok, ones, False,
+                          mem_ptr, base, cd, D, True, BLOCK_D, BLOCK_E, PRECISION)
+        t = t * inv_den[:, None] + d_den[:, None] * mz[None, :]
+        tl.store(dgam_ptr + dgam_row + i, tl.sum(phq.to(tl.float32) * t, axis=1), mask=earlier)
+        dphq += gam[:, None] * t
 
     # φ'(q) = min(φ(q), 1): 1 for q > 0, exp(q) below
-    tl.store(dq_ptr + hd[:, None] + cd[None, :], (dphq * tl.minimum(phq, 1.0)).to(dq_ptr.dtype.element_ty), mask=m_hd)
+    tl.store(dq_ptr + qo + hd[:, None] + cd[None, :],
+             (dphq * tl.minimum(phq.to(tl.float32), 1.0)).to(dq_ptr.dtype.element_ty), mask=m_hd)
 
 
 @triton.jit
 def _mc_bwd_mem_kernel(q_ptr, gam_ptr, g_ptr, den_ptr, dden_ptr, dmem_ptr, dz_ptr,
                        S, H, D, L, N,
-                       BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
                        PRECISION: tl.constexpr):
     seg = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -231,107 +321,104 @@ def _mc_bwd_mem_kernel(q_ptr, gam_ptr, g_ptr, den_ptr, dden_ptr, dmem_ptr, dz_pt
     h = bh % H
     offs = tl.arange(0, BLOCK_L)
     cd = tl.arange(0, BLOCK_D)
-    d_ok = cd < D
-    cr = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)   # this program's rows of dM (φq dim)
-    r_ok = cr < D
-    d_mem = tl.zeros([BLOCK_E, BLOCK_D], dtype=tl.float32)
-    d_z = tl.zeros([BLOCK_E], dtype=tl.float32)
+    cr = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)   # this program's rows of dM (φq dim)
+    op = q_ptr.dtype.element_ty
+    d_mem = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    d_z = tl.zeros([BLOCK_R], dtype=tl.float32)
     # every token after segment seg reads its full memory
     for t0 in range((seg + 1) * L, S, BLOCK_L):
         tok = t0 + offs                     # < S: int32 is exact; the products below are int64 (b, bh)
         row_ok = tok < S
-        m_hd = row_ok[:, None] & d_ok[None, :]
-        m_r = row_ok[:, None] & r_ok[None, :]
-        hd = ((b * S + tok) * H + h) * D
+        qo = (b * S + t0) * H * D + h * D
+        hd = offs * (H * D)
         gam = tl.load(gam_ptr + (b * S + tok) * N + seg, mask=row_ok, other=0.0)
-        den = tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
+        inv_den = 1.0 / tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
         d_den = tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0)
-        gq = gam[:, None] * tl.where(m_r, _phi(tl.load(q_ptr + hd[:, None] + cr[None, :], mask=m_r,
-                                                       other=0.0).to(tl.float32)), 0.0)
-        go = tl.load(g_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32)
-        d_mem += tl.dot(tl.trans(gq), go / den[:, None], input_precision=PRECISION)
+        gq = gam[:, None] * _phi_rows(q_ptr + qo, hd, cr, row_ok[:, None] & (cr < D)[None, :])
+        dn = _load_rows(g_ptr + qo, hd, cd, row_ok[:, None] & (cd < D)[None, :]).to(tl.float32) * inv_den[:, None]
+        d_mem = tl.dot(tl.trans(_operand(gq, op)), _operand(dn, op), d_mem, input_precision=PRECISION)
         d_z += tl.sum(gq * d_den[:, None], axis=0)
     base = (bh * N + seg) * D
-    tl.store(dmem_ptr + (base + cr[:, None]) * D + cd[None, :], d_mem, mask=r_ok[:, None] & d_ok[None, :])
+    r_ok = cr < D
+    tl.store(dmem_ptr + (base + cr[:, None]) * D + cd[None, :], _operand(d_mem, dmem_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (cd < D)[None, :])
     tl.store(dz_ptr + base + cr, d_z, mask=r_ok)
+
+
+@triton.jit
+def _query_tiles(qb, b, h, bh, S, H, D, L, N, q_ptr, g_ptr, gam_ptr, den_ptr, dden_ptr, cd, op: tl.constexpr,
+                 BLOCK_Q: tl.constexpr):
+    """A query block of the own-segment walk of ``_mc_bwd_kv_kernel``: its tokens, their
+    segments, φ(Q) and γ_s·dN (operands in ``op``), γ_s·dD (fp32)."""
+    tok, seg, row_ok, hd, m_hd = _row_block(qb, b, h, S, H, D, L, cd, BLOCK_Q)
+    qo = _block_start(qb, b, h, S, H, D, BLOCK_Q)
+    gam = tl.load(gam_ptr + (b * S + tok) * N + seg, mask=row_ok, other=0.0)
+    inv_den = 1.0 / tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
+    d_den = gam * tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0)
+    # fp16 saturates γ/den·g (see _operand) only on rows whose causal keys are all
+    # padded; the callers' `where` keeps those products exactly 0
+    d_num = _operand((gam * inv_den)[:, None] * _load_rows(g_ptr + qo, hd, cd, m_hd).to(tl.float32), op)
+    return tok, seg, _operand(_phi_rows(q_ptr + qo, hd, cd, m_hd), op), d_num, d_den
 
 
 @triton.jit
 def _mc_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, g_ptr, den_ptr, dden_ptr, dmem_ptr, dz_ptr,
                       dk_ptr, dv_ptr,
-                      S, H, D, L, N, NB,
-                      BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
+                      S, H, D, L, N,
+                      BLOCK_L: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_E: tl.constexpr,
                       PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    seg = pid // NB
-    kb = pid % NB
+    kb = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
     h = bh % H
-    offs = tl.arange(0, BLOCK_L)
-    k_in = kb * BLOCK_L + offs                       # key row within the segment
-    ktok = seg.to(tl.int64) * L + k_in
-    k_ok = (k_in < L) & (ktok < S)
+    op = k_ptr.dtype.element_ty
     cd = tl.arange(0, BLOCK_D)
-    d_ok = cd < D
-    m_k = k_ok[:, None] & d_ok[None, :]
-    khd = ((b * S + ktok) * H + h) * D
-    keep = tl.load(keep_ptr + b * S + ktok, mask=k_ok, other=0.0)
-    phk = tl.where(m_k, _phi(tl.load(k_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)),
-                   0.0) * keep[:, None]
-    v = tl.load(v_ptr + khd[:, None] + cd[None, :], mask=m_k, other=0.0).to(tl.float32)
+    ktok, kseg, k_ok, khd, m_k = _row_block(kb, b, h, S, H, D, L, cd, BLOCK_L)
+    ko = _block_start(kb, b, h, S, H, D, BLOCK_L)
+    kept = k_ok & (tl.load(keep_ptr + b * S + ktok, mask=k_ok, other=0.0) > 0)
+    m_kept = m_k & kept[:, None]          # padded keys are never loaded
+    last_seg = _last_segment(kb, S, L, BLOCK_L)
+    # own segment: the query blocks (BLOCK_Q rows) from the diagonal to the end of the
+    # block's last segment. dv and dφ(k) are two walks, so one [BLOCK_L, D] accumulator
+    # and one key-side operand are live at a time (the query tiles are loaded twice).
+    q_lo = kb * (BLOCK_L // BLOCK_Q)
+    q_hi = tl.cdiv(tl.minimum((last_seg + 1) * L, S), BLOCK_Q)
+    ones = tl.full([BLOCK_L], 1.0, tl.float32)
 
-    # own segment: query row blocks qb >= kb;  dv = Aᵀ·(γ dN),  dφ(k) = dAᵀ·φ(Q)
+    # dv = Aᵀ·(γ dN) + Σ_j κφ(K_j)·dM_j
+    phk = _operand(_phi_rows(k_ptr + ko, khd, cd, m_kept), op)
     dv = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-    dphk = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
-    for qb in range(kb, NB):
-        r_in = qb * BLOCK_L + offs
-        tok = seg.to(tl.int64) * L + r_in
-        row_ok = (r_in < L) & (tok < S)
-        m_hd = row_ok[:, None] & d_ok[None, :]
-        hd = ((b * S + tok) * H + h) * D
-        gam = tl.load(gam_ptr + (b * S + tok) * N + seg, mask=row_ok, other=0.0)
-        den = tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
-        d_den = gam * tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0)
-        d_num = gam[:, None] * tl.load(g_ptr + hd[:, None] + cd[None, :], mask=m_hd, other=0.0).to(tl.float32) \
-            / den[:, None]
-        phq = tl.where(m_hd, _phi(tl.load(q_ptr + hd[:, None] + cd[None, :], mask=m_hd,
-                                          other=0.0).to(tl.float32)), 0.0)
-        causal = r_in[None, :] >= k_in[:, None]                   # [key, query]
-        at = tl.where(causal, tl.dot(phk, tl.trans(phq), input_precision=PRECISION), 0.0)
-        dv += tl.dot(at, d_num, input_precision=PRECISION)
-        dat = tl.where(causal, tl.dot(v, tl.trans(d_num), input_precision=PRECISION) + d_den[None, :], 0.0)
-        dphk += tl.dot(dat, phq, input_precision=PRECISION)
+    for qb in range(q_lo, q_hi):
+        tok, seg, phq, d_num, _ = _query_tiles(qb, b, h, bh, S, H, D, L, N, q_ptr, g_ptr, gam_ptr, den_ptr,
+                                               dden_ptr, cd, op, BLOCK_Q)
+        at = tl.dot(phk, tl.trans(phq), input_precision=PRECISION)
+        at = tl.where(_own_mask(ktok, kseg, tok, seg, False), at, 0.0)     # [key, query]
+        dv = tl.dot(_operand(at, op), d_num, dv, input_precision=PRECISION)
+    for j in range(kb * BLOCK_L // L, last_seg + 1):
+        sel = kept & (kseg == j)
+        dv = _times_matrix(dv, tl.where(sel[:, None], phk, 0.0), k_ptr + ko, khd, sel, ones, True,
+                           dmem_ptr, (bh * N + j) * D, cd, D, False, BLOCK_D, BLOCK_E, PRECISION)
+    tl.store(dv_ptr + ko + khd[:, None] + cd[None, :], dv.to(dv_ptr.dtype.element_ty), mask=m_k)
 
-    # the memory's share: dv += κφ(K)·dM,  dφ(k) += V·dMᵀ + dz
-    base = (bh * N + seg) * D
-    if BLOCK_E == BLOCK_D:
-        d_mem = tl.load(dmem_ptr + (base + cd[:, None]) * D + cd[None, :], mask=d_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-        dv += tl.dot(phk, d_mem, input_precision=PRECISION)
-        dphk += tl.dot(v, tl.trans(d_mem), input_precision=PRECISION)
-    else:
-        ce = tl.arange(0, BLOCK_E)
-        for d0 in range(0, D, BLOCK_E):
-            cs = d0 + ce
-            s_ok = cs < D
-            m_s = k_ok[:, None] & s_ok[None, :]
-            # dv over slabs of dM rows (κφk columns reloaded), dφ(k) over slabs of dM columns (v columns)
-            phk_s = tl.where(m_s, _phi(tl.load(k_ptr + khd[:, None] + cs[None, :], mask=m_s,
-                                               other=0.0).to(tl.float32)), 0.0) * keep[:, None]
-            dm_r = tl.load(dmem_ptr + (base + cs[:, None]) * D + cd[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                           other=0.0)
-            dv += tl.dot(phk_s, dm_r, input_precision=PRECISION)
-            v_s = tl.load(v_ptr + khd[:, None] + cs[None, :], mask=m_s, other=0.0).to(tl.float32)
-            dm_c = tl.load(dmem_ptr + (base + cd[:, None]) * D + cs[None, :], mask=d_ok[:, None] & s_ok[None, :],
-                           other=0.0)
-            dphk += tl.dot(v_s, tl.trans(dm_c), input_precision=PRECISION)
-    d_z = tl.load(dz_ptr + base + cd, mask=d_ok, other=0.0)
-    dphk += d_z[None, :]
-    tl.store(dv_ptr + khd[:, None] + cd[None, :], dv.to(dv_ptr.dtype.element_ty), mask=m_k)
-    # φ'(k) = min(φ(k), 1) (1 for k > 0, exp(k) below); the keep factor is already in phk
-    tl.store(dk_ptr + khd[:, None] + cd[None, :], (dphk * tl.minimum(phk, 1.0)).to(dk_ptr.dtype.element_ty),
-             mask=m_k)
+    # dφ(k) = dAᵀ·φ(Q) + Σ_j (V_j·dM_jᵀ + dz_j)
+    v = _load_rows(v_ptr + ko, khd, cd, m_kept)
+    dphk = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
+    for qb in range(q_lo, q_hi):
+        tok, seg, phq, d_num, d_den = _query_tiles(qb, b, h, bh, S, H, D, L, N, q_ptr, g_ptr, gam_ptr, den_ptr,
+                                                   dden_ptr, cd, op, BLOCK_Q)
+        dat = tl.dot(v, tl.trans(d_num), input_precision=PRECISION) + d_den[None, :]
+        dat = tl.where(_own_mask(ktok, kseg, tok, seg, False), dat, 0.0)
+        dphk = tl.dot(_operand(dat, op), phq, dphk, input_precision=PRECISION)
+    for j in range(kb * BLOCK_L // L, last_seg + 1):
+        sel = kept & (kseg == j)
+        base = (bh * N + j) * D
+        dz = tl.load(dz_ptr + base + cd, mask=cd < D, other=0.0)
+        dphk = _times_matrix(dphk + tl.where(sel[:, None], dz[None, :], 0.0), tl.where(sel[:, None], v, 0.0),
+                             v_ptr + ko, khd, sel, ones, False, dmem_ptr, base, cd, D, True, BLOCK_D, BLOCK_E,
+                             PRECISION)
+    # φ'(k) = min(φ(k), 1) (1 for k > 0, exp(k) below), 0 for padded keys
+    dk = dphk * tl.minimum(_phi_rows(k_ptr + ko, khd, cd, m_kept), 1.0)
+    tl.store(dk_ptr + ko + khd[:, None] + cd[None, :], dk.to(dk_ptr.dtype.element_ty), mask=m_k)
 
 
 # ----------------------------------------------------------------------------
@@ -345,17 +432,21 @@ def supports_tile(segment_len: int, head_dim: int) -> bool:
     return segment_len >= 1 and 1 <= head_dim <= MAX_HEAD_DIM
 
 
-def _config(segment_len: int, head_dim: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_L, BLOCK_D, BLOCK_E, num_warps, num_stages) for a supported shape."""
+def _kind(*tensors: torch.Tensor) -> str:
+    """Which CONFIGS table a launch on these [B, S, H, D] tensors uses. Reads only
+    shapes and addresses (no device sync)."""
+    if tensors[0].dtype == torch.float32:
+        return "fp32"
+    if tensors[0].shape[-1] % 16 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors):
+        return "16bit"
+    return "16bit-unaligned"
+
+
+def _config(kind: str, head_dim: int) -> tuple[int, int, int, int, int, int, int]:
+    """(BLOCK_L, BLOCK_Q, BLOCK_D, BLOCK_E, BLOCK_R, num_warps, num_stages) for a supported head dim."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    max_l, block_e, warps, stages = CONFIGS[block_d]
-    block_l = min(max_l, max(16, triton.next_power_of_2(segment_len)))
-    return block_l, block_d, block_e, warps, stages
-
-
-def _row_blocks(S: int, segment_len: int, block_l: int) -> int:
-    """Row blocks per segment; a sequence shorter than one segment needs only its rows."""
-    return triton.cdiv(min(segment_len, S), block_l)
+    block_l, block_q, block_e, block_r, warps, stages = CONFIGS[kind][block_d]
+    return block_l, block_q, block_d, block_e, block_r, warps, stages
 
 
 def segment_gates(u: torch.Tensor, p: torch.Tensor, keep: torch.Tensor, segment_len: int) -> torch.Tensor:
@@ -380,14 +471,20 @@ def segment_gates(u: torch.Tensor, p: torch.Tensor, keep: torch.Tensor, segment_
 
 
 def _segment_memories(k, v, keep, segment_len: int):
-    """Full memories M [B, H, N, D, D] and z [B, H, N, D] (fp32)."""
+    """Full memories M [B, H, N, D, D] (fp32 sums in the input dtype: the kernels'
+    dot operand) and z [B, H, N, D] (fp32). Padded keys and values are dropped by
+    ``where`` (0·NaN would be NaN)."""
     B, S, H, D = k.shape
     L = segment_len
     N = triton.cdiv(S, L)
     pad = N * L - S
-    phk = F.pad((F.elu(k.float()) + 1.0) * keep[..., None, None], (0, 0, 0, 0, 0, pad)).reshape(B, N, L, H, D)
-    vs = F.pad(v.float(), (0, 0, 0, 0, 0, pad)).reshape(B, N, L, H, D)
-    mem = torch.einsum("bnlhd,bnlhe->bhnde", phk, vs).contiguous()
+    kept = keep[..., None, None] > 0
+    phk = F.pad(torch.where(kept, F.elu(k.float()) + 1.0, 0.0), (0, 0, 0, 0, 0, pad)).reshape(B, N, L, H, D)
+    vs = F.pad(torch.where(kept, v.float(), 0.0), (0, 0, 0, 0, 0, pad)).reshape(B, N, L, H, D)
+    mem = torch.einsum("bnlhd,bnlhe->bhnde", phk, vs)
+    if k.dtype == torch.float16:   # saturate like the kernels' operands (_operand)
+        mem = mem.clamp(-65504.0, 65504.0)
+    mem = mem.to(k.dtype).contiguous()
     mz = phk.sum(2).permute(0, 2, 1, 3).contiguous()
     return mem, mz
 
@@ -406,10 +503,9 @@ def memory_caching_core(
     mem, mz = _segment_memories(k, v, keep, segment_len)
     y = empty((B, S, H, D), dtype=q.dtype, device=q.device)
     den = empty((B, H, S), dtype=torch.float32, device=q.device)
-    block_l, block_d, block_e, warps, stages = _config(segment_len, D)
-    nb = _row_blocks(S, segment_len, block_l)
-    wrap_triton(_mc_fwd_kernel)[(N * nb, B * H)](
-        q, k, v, keep, gamma, mem, mz, y, den, S, H, D, segment_len, N, nb, eps,
+    block_l, _, block_d, block_e, _, warps, stages = _config(_kind(q, k, v, y), D)
+    wrap_triton(_mc_fwd_kernel)[(triton.cdiv(S, block_l), B * H)](
+        q, k, v, keep, gamma, mem, mz, y, den, S, H, D, segment_len, N, eps,
         BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_E=block_e, PRECISION=dot_precision(q.dtype), num_warps=warps,
         num_stages=stages,
     )
@@ -424,28 +520,31 @@ def _memory_caching_core_bwd(
     B, S, H, D = q.shape
     N = gamma.shape[-1]
     mem, mz = _segment_memories(k, v, keep, segment_len)
-    block_l, block_d, block_e, warps, stages = _config(segment_len, D)
-    nb = _row_blocks(S, segment_len, block_l)
-    common = dict(BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_E=block_e, PRECISION=dot_precision(q.dtype),
-                  num_warps=warps, num_stages=stages)
+    dmem = empty((B, H, N, D, D), dtype=q.dtype, device=q.device)
     dq = empty((B, S, H, D), dtype=q.dtype, device=q.device)
     dk = empty((B, S, H, D), dtype=k.dtype, device=q.device)
     dv = empty((B, S, H, D), dtype=v.dtype, device=q.device)
+    block_l, block_q, block_d, block_e, block_r, warps, stages = _config(_kind(q, k, v, g, dq, dk, dv), D)
+    launch = dict(BLOCK_L=block_l, BLOCK_D=block_d, PRECISION=dot_precision(q.dtype), num_warps=warps,
+                  num_stages=stages)
+    rows = (triton.cdiv(S, block_l), B * H)
     # ∂ℓ/∂γ per head; columns i > s (later segments, γ = 0) stay zero
     dgam_heads = torch.zeros((B, H, S, N), dtype=torch.float32, device=q.device)
     # ∂ℓ/∂(Σγ·den) = −(g·y)/den per token and head, [B, H, S] fp32 (O(S) row statistic)
     dden = (-(g.float() * y.float()).sum(-1).transpose(1, 2) / den).contiguous()
-    wrap_triton(_mc_bwd_q_kernel)[(N * nb, B * H)](
-        q, k, v, keep, gamma, mem, mz, g, den, dden, dq, dgam_heads, S, H, D, segment_len, N, nb, **common,
+    wrap_triton(_mc_bwd_q_kernel)[rows](
+        q, k, v, keep, gamma, mem, mz, g, den, dden, dq, dgam_heads, S, H, D, segment_len, N,
+        BLOCK_E=block_e, **launch,
     )
-    # ∂ℓ/∂M_i, ∂ℓ/∂z_i of every segment's full memory (the last one's stay zero)
-    dmem = empty((B, H, N, D, D), dtype=torch.float32, device=q.device)
+    # ∂ℓ/∂M_i (input dtype: the next kernel's dot operand), ∂ℓ/∂z_i of every segment's
+    # full memory (the last one's stay zero)
     dz = empty((B, H, N, D), dtype=torch.float32, device=q.device)
-    wrap_triton(_mc_bwd_mem_kernel)[(N, B * H, triton.cdiv(D, block_e))](
-        q, gamma, g, den, dden, dmem, dz, S, H, D, segment_len, N, **common,
+    wrap_triton(_mc_bwd_mem_kernel)[(N, B * H, triton.cdiv(D, block_r))](
+        q, gamma, g, den, dden, dmem, dz, S, H, D, segment_len, N, BLOCK_R=block_r, **launch,
     )
-    wrap_triton(_mc_bwd_kv_kernel)[(N * nb, B * H)](
-        q, k, v, keep, gamma, g, den, dden, dmem, dz, dk, dv, S, H, D, segment_len, N, nb, **common,
+    wrap_triton(_mc_bwd_kv_kernel)[rows](
+        q, k, v, keep, gamma, g, den, dden, dmem, dz, dk, dv, S, H, D, segment_len, N, BLOCK_Q=block_q,
+        BLOCK_E=block_e, **launch,
     )
     return dq, dk, dv, dgam_heads.sum(1)
 
@@ -511,30 +610,38 @@ def memory_caching(
 
 
 def static_cases() -> Iterator[StaticCase]:
-    """Every configuration ``_config`` can launch: for each BLOCK_D, BLOCK_L = 16
-    (segments of ≤ 16 tokens) and the largest BLOCK_L, in each input dtype."""
+    """Every configuration ``_config`` can launch: each BLOCK_D for each kind of input.
+    The aligned 16-bit kernels at head_dim 64 and 128 must build on Hopper's wgmma (HGMMA)."""
     scal = dict(S="i32", H="i32", D="i32", L="i32", N="i32")
-    for dt in ("fp32", "bf16", "fp16"):
+    for dt, kind in (("fp32", "fp32"), ("bf16", "16bit"), ("fp16", "16bit"), ("bf16", "16bit-unaligned"),
+                     ("fp16", "16bit-unaligned")):
         pt = f"*{dt}"
         precision = "ieee" if dt == "fp32" else "tf32"
-        for block_d, (max_l, block_e, warps, stages) in CONFIGS.items():
-            for block_l in sorted({16, max_l}):
-                const = dict(BLOCK_L=block_l, BLOCK_D=block_d, BLOCK_E=block_e, PRECISION=precision)
-                ins = dict(q_ptr=pt, k_ptr=pt, v_ptr=pt, keep_ptr="*fp32", gam_ptr="*fp32")
-                tags = {"dtype": dt}
-                yield StaticCase("mc_fwd", _mc_fwd_kernel,
-                                 {**ins, "mem_ptr": "*fp32", "z_ptr": "*fp32", "y_ptr": pt, "den_ptr": "*fp32",
-                                  **scal, "NB": "i32", "eps": "fp32"}, const, warps, stages, tags=tags)
-                grad_in = dict(g_ptr=pt, den_ptr="*fp32", dden_ptr="*fp32")
-                yield StaticCase("mc_bwd_q", _mc_bwd_q_kernel,
-                                 {**ins, "mem_ptr": "*fp32", "z_ptr": "*fp32", **grad_in, "dq_ptr": pt,
-                                  "dgam_ptr": "*fp32", **scal, "NB": "i32"}, const, warps, stages, tags=tags)
-                yield StaticCase("mc_bwd_mem", _mc_bwd_mem_kernel,
-                                 {"q_ptr": pt, "gam_ptr": "*fp32", **grad_in, "dmem_ptr": "*fp32",
-                                  "dz_ptr": "*fp32", **scal}, const, warps, stages, tags=tags)
-                yield StaticCase("mc_bwd_kv", _mc_bwd_kv_kernel,
-                                 {**ins, **grad_in, "dmem_ptr": "*fp32", "dz_ptr": "*fp32", "dk_ptr": pt,
-                                  "dv_ptr": pt, **scal, "NB": "i32"}, const, warps, stages, tags=tags)
+        wide = kind == "16bit"
+        for block_d, (block_l, block_q, block_e, block_r, warps, stages) in CONFIGS[kind].items():
+            common = dict(BLOCK_L=block_l, BLOCK_D=block_d)
+            const = dict(**common, BLOCK_E=block_e, PRECISION=precision)
+            ins = dict(q_ptr=pt, k_ptr=pt, v_ptr=pt, keep_ptr="*fp32", gam_ptr="*fp32")
+            grad_in = dict(g_ptr=pt, den_ptr="*fp32", dden_ptr="*fp32")
+            launch = dict(num_warps=warps, num_stages=stages, tags={"dtype": dt, "kind": kind},
+                          expect="HGMMA" if wide and block_d >= 64 else "")
+
+            def case(name, kernel, signature, constexprs):
+                aligned = tuple(a for a in _ALIGNED if a in signature) if wide else ()
+                return StaticCase(name, kernel, signature, constexprs, aligned=aligned, **launch)
+
+            yield case("mc_fwd", _mc_fwd_kernel,
+                       {**ins, "mem_ptr": pt, "z_ptr": "*fp32", "y_ptr": pt, "den_ptr": "*fp32", **scal, "eps": "fp32"},
+                       const)
+            yield case("mc_bwd_q", _mc_bwd_q_kernel,
+                       {**ins, "mem_ptr": pt, "z_ptr": "*fp32", **grad_in, "dq_ptr": pt, "dgam_ptr": "*fp32", **scal},
+                       const)
+            yield case("mc_bwd_mem", _mc_bwd_mem_kernel,
+                       {"q_ptr": pt, "gam_ptr": "*fp32", **grad_in, "dmem_ptr": pt, "dz_ptr": "*fp32", **scal},
+                       dict(**common, BLOCK_R=block_r, PRECISION=precision))
+            yield case("mc_bwd_kv", _mc_bwd_kv_kernel,
+                       {**ins, **grad_in, "dmem_ptr": pt, "dz_ptr": "*fp32", "dk_ptr": pt, "dv_ptr": pt, **scal},
+                       dict(**common, BLOCK_Q=block_q, BLOCK_E=block_e, PRECISION=precision))
 
 
 def tour_case(device: torch.device):

@@ -13,9 +13,18 @@ from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
 mc = importlib.import_module("laminae.triton_ops.memory_caching")  # the kernel file, not the function
 
 GRADS = ["q", "k", "v", "u", "p"]
-# Tiny blocks (the interpreter accepts tl.dot below 16): several row blocks per segment
-# and several memory slabs (BLOCK_E < BLOCK_D) at short lengths and small head dims.
-SMALL_BLOCKS = {16: (4, 8, 4, 2), 32: (8, 8, 4, 2), 64: (8, 16, 4, 2), 128: (8, 32, 4, 2)}
+# Tiny blocks (the interpreter accepts tl.dot below 16), as (BLOCK_L, BLOCK_Q, BLOCK_E,
+# BLOCK_R, warps, stages) per BLOCK_D: row blocks that hold several segments or part of
+# one at short lengths; both memory paths (whole φQ/dN tile in registers, BLOCK_E ==
+# BLOCK_D, as the 16-bit GPU tiles; slabs, BLOCK_E < BLOCK_D, as fp32); dM split over
+# programs (BLOCK_R < BLOCK_D, as at D = 128); bwd_kv query steps shorter than its
+# key block (BLOCK_Q < BLOCK_L, as at D = 128).
+SMALL_BLOCKS = {16: (8, 8, 16, 8, 4, 1), 32: (8, 8, 16, 16, 4, 1), 64: (16, 8, 64, 32, 4, 1),
+                128: (8, 8, 32, 64, 4, 1)}
+# The 16-bit ("16bit") layout at small scale: 32-row blocks, whole tiles in registers
+# (BLOCK_E == BLOCK_D), dM row split and half-height bwd_kv query steps.
+SMALL_16BIT = {16: (32, 16, 16, 16, 4, 1), 32: (32, 16, 32, 16, 4, 1), 64: (32, 32, 64, 32, 4, 1),
+               128: (32, 16, 128, 64, 4, 1)}
 
 
 def _inputs(B, S, H, D, G, L, masked, scale, seed, dtype=torch.float32):
@@ -42,7 +51,7 @@ def test_kernel_matches_reference_small_blocks(B, S, L, D, masked, scale, seed):
     """Segments cut into several row blocks, memories read in several slabs."""
     inp = _inputs(B, S, 1, D, 5, L, masked, scale, seed)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mc, "CONFIGS", SMALL_BLOCKS)
+        mp.setitem(mc.CONFIGS, "fp32", SMALL_BLOCKS)
         assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
 
 
@@ -56,26 +65,67 @@ def test_kernel_edge_lengths(S, L):
 @pytest.mark.parametrize("S, L, D, small", [(37, 12, 64, True), (21, 8, 128, False), (26, 16, 96, True),
                                              (40, 20, 24, True)])
 def test_kernel_row_blocks_and_memory_slabs(S, L, D, small):
-    """Segment lengths that are not a multiple of BLOCK_L, head dims padded to the
-    block, and D = 128 (BLOCK_E < BLOCK_D at the launch configuration)."""
+    """Segment lengths that are not a multiple of BLOCK_L (row blocks that cross a
+    segment boundary), head dims padded to the block, and D = 128 (BLOCK_E < BLOCK_D
+    at the fp32 launch configuration)."""
     inp = _inputs(1, S, 2, D, 6, L, True, 1.0, S + D)
     with pytest.MonkeyPatch.context() as mp:
         if small:
-            mp.setattr(mc, "CONFIGS", SMALL_BLOCKS)
-        assert mc._config(L, D)[0] < L or not small
+            mp.setitem(mc.CONFIGS, "fp32", SMALL_BLOCKS)
+        assert mc._config("fp32", D)[0] < S or not small          # several row blocks
         assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
 
 
 def test_static_cases_cover_every_launch_configuration():
-    """The static sm_90 check compiles every (BLOCK_L, BLOCK_D, BLOCK_E, warps, stages) the launcher picks."""
-    listed = {(c.constexprs["BLOCK_L"], c.constexprs["BLOCK_D"], c.constexprs["BLOCK_E"], c.num_warps,
-               c.num_stages) for c in mc.static_cases()}
-    launched = {mc._config(L, D) for L in range(1, 300) for D in range(1, mc.MAX_HEAD_DIM + 1)}
-    assert launched <= listed
+    """The static sm_90 check compiles every (BLOCK_L, BLOCK_Q, BLOCK_D, BLOCK_E, BLOCK_R,
+    warps, stages) the launcher picks, for each kind of input; the aligned 16-bit
+    kernels at head_dim 64/128 promise HGMMA with the alignment their launch has."""
+    listed = {}
+    for c in mc.static_cases():
+        key = (c.tags["kind"], c.tags["dtype"], c.constexprs["BLOCK_D"])
+        listed.setdefault(key, {"warps": c.num_warps, "stages": c.num_stages}).update(c.constexprs)
+        wide = c.tags["kind"] == "16bit"
+        assert c.expect == ("HGMMA" if wide and c.constexprs["BLOCK_D"] >= 64 else "")
+        assert bool(c.aligned) == wide and set(c.aligned) <= set(c.signature)
+    dtypes = {"fp32": ["fp32"], "16bit": ["bf16", "fp16"], "16bit-unaligned": ["bf16", "fp16"]}
+    for kind in mc.CONFIGS:
+        for D in range(1, mc.MAX_HEAD_DIM + 1):
+            block_l, block_q, block_d, block_e, block_r, warps, stages = mc._config(kind, D)
+            assert block_l % block_q == 0
+            for dt in dtypes[kind]:
+                got = listed[(kind, dt, block_d)]
+                assert (got["BLOCK_L"], got["BLOCK_Q"], got["BLOCK_E"], got["BLOCK_R"], got["warps"],
+                        got["stages"]) == (block_l, block_q, block_e, block_r, warps, stages)
     kernels = {c.name for c in mc.static_cases()}
     assert kernels == {"mc_fwd", "mc_bwd_q", "mc_bwd_mem", "mc_bwd_kv"}
     assert all(mc.supports_tile(L, D) for L in (1, 64, 128, 256, 1000) for D in (1, 32, 64, 128))
     assert not mc.supports_tile(64, 129)
+
+
+def test_launch_kind_follows_dtype_head_dim_and_alignment():
+    """The wide 16-bit tiles only where Triton's launch specialises 16-byte vectors."""
+    t = torch.zeros(2, 5, 2, 64, dtype=torch.bfloat16)
+    assert mc._kind(t.float()) == "fp32"
+    assert mc._kind(t, t) == "16bit"
+    assert mc._kind(torch.zeros(2, 5, 2, 24, dtype=torch.float16)) == "16bit-unaligned"
+    shifted = torch.zeros(2 * 5 * 2 * 64 + 1, dtype=torch.bfloat16)[1:].view(2, 5, 2, 64)
+    assert mc._kind(t, shifted) == "16bit-unaligned"
+
+
+@pytest.mark.parametrize("S, L, D, left_pad", [(45, 8, 16, 11), (70, 20, 32, 3), (37, 40, 64, 0)])
+def test_kernel_fp16_through_the_16bit_tiles(S, L, D, left_pad):
+    """fp16 runs the 16-bit code path in the interpreter (numpy has fp16; bf16 products
+    are GPU-only): 16-bit operands with fp32 accumulation within fp16 tolerance. Left
+    padding longer than a segment gives rows that read only empty memories (den = eps,
+    1/den beyond fp16's range): the kernels stay finite and exact there."""
+    inp = _inputs(2, S, 2, D, 6, L, False, 1.0, S, dtype=torch.float16)
+    mask = torch.ones(2, S, device=DEVICE)
+    mask[1, :left_pad] = 0
+    inp["mask"] = mask
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(mc.CONFIGS, "16bit", SMALL_16BIT)
+        assert mc._kind(inp["q"]) == "16bit"
+        assert_parity(memory_caching, memory_caching_reference, inp, GRADS, dtype=torch.float16)
 
 
 def test_kernel_denominator_near_eps():
