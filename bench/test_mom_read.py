@@ -4,7 +4,7 @@ import torch
 from laminae.primitives.mom_read import mom_read_reference
 from laminae.triton_ops.mom_read import mom_read
 
-from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
+from ._harness import DEVICE, MODES, PROVIDERS, by_mode, run_benchmark
 
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 # (batch, seq, heads, head_dim, blocks, block_size, top_blocks); the last is the
@@ -29,8 +29,9 @@ def test_mom_read(benchmark, provider, mode, shape):
         "top_gates": torch.softmax(top_values, -1),
         "block_size": bs,
     }
-    # selected slots only: 2·2·B·S·H·d·(top·bs)
-    flops = 4 * b * s * h * d * tk * bs
+    # selected slots only: 2·2·B·S·H·d·(top·bs) forward, 3.5× with the backward
+    # (scores recomputed, dV, dP, dQ, dK), as attention counts
+    flops = by_mode(4 * b * s * h * d * tk * bs, 14 * b * s * h * d * tk * bs)
     # Triton forward: q in, o out, the bank once, the fp32 per-pair partials (o and
     # log-partition) written by the pair kernel and read by the merge
     elt = torch.tensor([], dtype=DTYPE).element_size()
