@@ -15,10 +15,13 @@ Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i (torch):
           per-program partial sums Σ dz·s, Σ dz, Σ dw·(erf+1)/2 for dα, db, dγ
           (reduced in torch; they sit here rather than in the dK/dV kernel, whose
           two [BLOCK_N, D] accumulators already fill the registers).
-          Both recompute s and w; nothing is written twice, so no atomics.
+          Both recompute s and w through the same tile helpers; nothing is
+          written twice, so no atomics.
 
-(erf(z) + 1)/2 is evaluated as erfc(−z)/2 with a rational approximation (relative
-error ≲ 2e-6 for |z| < 4, ≲ 1e-5 out to fp32 underflow). Written as erf(z) + 1 it cancels catastrophically for
+(erf(z) + 1)/2 is evaluated as erfc(−z)/2 = exp(−z²)·t·P(t) (t = 1/(1 + |z|/2), P a
+degree-10 fit of erfcx; relative error ≲ 4e-6 in fp32 out to underflow), so the
+backward's exp(−z²) serves the weight and its slope alike (one exponential per pair).
+Written as erf(z) + 1 it cancels catastrophically for
 z ≲ −3 in fp32 (erf(−4) rounds to −1), and attention rows whose weights all lie
 there would then depend on the last bit of erf.
 
