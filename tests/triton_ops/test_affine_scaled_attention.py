@@ -104,8 +104,7 @@ def test_fully_masked_rows_give_zero_output_and_finite_gradients():
     assert torch.all(leaves["q"].grad[0, :3] == 0) and torch.all(leaves["alpha"].grad[0, :3] == 0)
 
 
-@pytest.mark.parametrize("small", [False, True])
-def test_running_mean_scan_ignores_padding_contents(small):
+def test_running_mean_scan_ignores_padding_contents():
     # NaN in the values of padding keys, cached and new: the scan masks them with
     # `where` (0·NaN would poison every later position), and v̄, N_t equal a plain
     # fp64 cumulative sum over the kept keys, read at each query's position
@@ -116,7 +115,7 @@ def test_running_mean_scan_ignores_padding_contents(small):
     keep[1, 3:6] = False
     keep[0, :2] = False
     dirty = v.masked_fill(~keep.bool()[:, :, None, None], float("nan"))
-    with small_tiles(small):
+    with small_tiles():
         vbar, count = affine._running_mean(dirty, _flash.mask_arg(keep), S)
     kept = torch.where(keep.bool()[:, :, None, None], v, 0.0).double()
     expected_count = keep.double().cumsum(1)[:, extra:]
