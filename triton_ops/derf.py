@@ -5,12 +5,13 @@ Attention (flash-style: no [S, N] matrix is ever stored; extra memory is O(S)):
 Forward   grid (query blocks, B·H). Each program walks the key blocks up to its
           causal limit: s = q·kᵀ·scale, w = γ·(erf(α·s + b) + 1)/2 where visible,
           acc += w·v, den += Σw; writes out = acc/(den + 1e-8) and den (fp32).
-Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i (torch):
+Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i:
             dw_ij = (dout_i·v_j − delta_i)·rden_i
             dz_ij = dw_ij·γ/√π·exp(−z_ij²)          z = α·s + b, zero where masked
           dK/dV kernel, grid (key blocks, B·H_kv): for every query head of the kv
           group and every query block at or after the key block, accumulates
             dv_j += Σ_i w_ij·rden_i·dout_i,   dk_j += Σ_i α·dz_ij·q_i·scale.
+          delta_i by a row kernel (one read of dout and out); rden in the kernels.
           dQ kernel, grid (query blocks, B·H): dq_i = Σ_j α·dz_ij·k_j·scale, plus
           per-program partial sums Σ dz·s, Σ dz, Σ dw·(erf+1)/2 for dα, db, dγ
           (reduced in torch; they sit here rather than in the dK/dV kernel, whose
@@ -40,7 +41,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from laminae.primitives._errors import DTypeError, ShapeError
-from laminae.primitives.derf import DERF_EPS, check_derf_attention_inputs
+from laminae.primitives.derf import check_derf_attention_inputs
 
 from ._common import StaticCase, dot_precision, empty, empty_like, num_programs_for_rows, triton_dtype
 
@@ -77,6 +78,9 @@ TILES = {
 def _tiles(kind: str, dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
     return TILES[(kind, "fp32" if dtype == torch.float32 else "16bit")][block_d]
 
+
+DELTA_BLOCK_M = 16
+DELTA_WARPS = 4
 
 GATE_BLOCK_R = 16
 GATE_BLOCK_F = 128
@@ -144,6 +148,12 @@ def _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK: tl.constexpr):
     if HAS_MASK:
         kept = kept & (tl.load(mask_ptr + b * stride_mb + offs_n, mask=n_ok, other=0) != 0)
     return kept
+
+
+@triton.jit
+def _rden(den_ptr, rows, row_ok):
+    """1/(den + 1e-8) for the given rows of one (batch, head), 0 past the end."""
+    return tl.where(row_ok, 1.0 / (tl.load(den_ptr + rows, mask=row_ok, other=0.0) + 1e-8), 0.0)
 
 
 @triton.jit
@@ -219,9 +229,30 @@ def _derf_fwd_kernel(
 
 
 @triton.jit
+def _derf_bwd_delta_kernel(do_ptr, out_ptr, delta_ptr, S, H, D,
+                           stride_dob, stride_dos, stride_doh, stride_ob, stride_os, stride_oh,
+                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """delta_i = dout_i·out_i in fp32, [B, H, S]: one read of dout and out (rather than
+    torch upcasts, a product and a sum over [B, S, H, D]); kept out of the dQ kernel,
+    whose registers are full."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < S
+    d_ok = offs_d < D
+    do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, offs_m, stride_dos, offs_d, m_ok, d_ok)
+    out = _load_rows(out_ptr + b * stride_ob + h * stride_oh, offs_m, stride_os, offs_d, m_ok, d_ok)
+    delta = tl.sum(do.to(tl.float32) * out.to(tl.float32), axis=1)
+    tl.store(delta_ptr + pid_bh.to(tl.int64) * S + offs_m, delta, mask=m_ok)
+
+
+@triton.jit
 def _derf_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr,
-    do_ptr, delta_ptr, rden_ptr, dk_ptr, dv_ptr,
+    do_ptr, delta_ptr, den_ptr, dk_ptr, dv_ptr,
     S, N, H, GROUP, D, scale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -270,7 +301,7 @@ def _derf_bwd_dkdv_kernel(
             q = _load_rows(q_base, offs_m, stride_qs, offs_d, m_ok, d_ok)
             do = _load_rows(do_base, offs_m, stride_dos, offs_d, m_ok, d_ok)
             delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-            rden = tl.load(rden_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            rden = _rden(den_ptr + row_base, offs_m, m_ok)
 
             s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale                   # [N, M]
             dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)                         # dout_i·v_j
@@ -287,7 +318,7 @@ def _derf_bwd_dkdv_kernel(
 @triton.jit
 def _derf_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr,
-    do_ptr, delta_ptr, rden_ptr, dq_ptr, part_ptr,
+    do_ptr, delta_ptr, den_ptr, dq_ptr, part_ptr,
     S, N, H, GROUP, D, scale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -312,7 +343,7 @@ def _derf_bwd_dq_kernel(
     q = _load_rows(q_ptr + b * stride_qb + h * stride_qh, offs_m, stride_qs, offs_d, m_ok, d_ok)
     do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, offs_m, stride_dos, offs_d, m_ok, d_ok)
     delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * S + offs_m, mask=m_ok, other=0.0)
-    rden = tl.load(rden_ptr + pid_bh.to(tl.int64) * S + offs_m, mask=m_ok, other=0.0)
+    rden = _rden(den_ptr + pid_bh.to(tl.int64) * S, offs_m, m_ok)
     alpha = tl.load(alpha_ptr + h)
     bias = tl.load(bias_ptr + h)
     gamma = tl.load(gamma_ptr + h)
@@ -406,7 +437,7 @@ def _derf_attention_bwd(
     den: torch.Tensor, derf_alpha: torch.Tensor, derf_bias: torch.Tensor, derf_gamma: torch.Tensor,
     key_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v, dout = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(dout)
+    q, k, v, dout, out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(dout), _unit_last(out)
     B, S, H, D = q.shape
     N, kv_heads = k.shape[1], k.shape[2]
     group = H // kv_heads
@@ -414,19 +445,10 @@ def _derf_attention_bwd(
     block_d = _block_d(D)
     precision = dot_precision(q.dtype)
     mask, stride_mb = _mask_args(key_mask)
-    # O(S) row statistics: delta_i = dout_i·out_i and rden_i = 1/(den_i + eps), [B, H, S]
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
-    rden = 1.0 / (den + DERF_EPS)
-
-    dk = empty((B, N, kv_heads, D), dtype=k.dtype, device=k.device)
-    dv = empty((B, N, kv_heads, D), dtype=v.dtype, device=v.device)
-    block_m, block_n, warps, stages = _tiles("dkdv", q.dtype, block_d)
-    wrap_triton(_derf_bwd_dkdv_kernel)[(triton.cdiv(N, block_n), B * kv_heads)](
-        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, rden, dk, dv,
-        S, N, H, group, D, scale,
-        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv), stride_mb,
-        HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
+    delta = empty((B, H, S), dtype=torch.float32, device=q.device)
+    wrap_triton(_derf_bwd_delta_kernel)[(triton.cdiv(S, DELTA_BLOCK_M), B * H)](
+        dout, out, delta, S, H, D, *_strides3(dout), *_strides3(out),
+        BLOCK_M=DELTA_BLOCK_M, BLOCK_D=block_d, num_warps=DELTA_WARPS,
     )
 
     dq = empty((B, S, H, D), dtype=q.dtype, device=q.device)
@@ -434,9 +456,20 @@ def _derf_attention_bwd(
     query_blocks = triton.cdiv(S, block_m)
     partials = empty((B, H, query_blocks, 3), dtype=torch.float32, device=q.device)
     wrap_triton(_derf_bwd_dq_kernel)[(query_blocks, B * H)](
-        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, rden, dq, partials,
+        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, den, dq, partials,
         S, N, H, group, D, scale,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dq), stride_mb,
+        HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=precision, num_warps=warps, num_stages=stages,
+    )
+
+    dk = empty((B, N, kv_heads, D), dtype=k.dtype, device=k.device)
+    dv = empty((B, N, kv_heads, D), dtype=v.dtype, device=v.device)
+    block_m, block_n, warps, stages = _tiles("dkdv", q.dtype, block_d)
+    wrap_triton(_derf_bwd_dkdv_kernel)[(triton.cdiv(N, block_n), B * kv_heads)](
+        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, den, dk, dv,
+        S, N, H, group, D, scale,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv), stride_mb,
         HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=precision, num_warps=warps, num_stages=stages,
     )
@@ -640,10 +673,10 @@ def _attn_signature(kernel_kind: str, dt: str) -> dict[str, str]:
         ptrs.update(out_ptr=p, den_ptr=f32)
         tensors = ("q", "k", "v", "o")
     elif kernel_kind == "dkdv":
-        ptrs.update(do_ptr=p, delta_ptr=f32, rden_ptr=f32, dk_ptr=p, dv_ptr=p)
+        ptrs.update(do_ptr=p, delta_ptr=f32, den_ptr=f32, dk_ptr=p, dv_ptr=p)
         tensors = ("q", "k", "v", "do", "dk", "dv")
     else:
-        ptrs.update(do_ptr=p, delta_ptr=f32, rden_ptr=f32, dq_ptr=p, part_ptr=f32)
+        ptrs.update(do_ptr=p, delta_ptr=f32, den_ptr=f32, dq_ptr=p, part_ptr=f32)
         tensors = ("q", "k", "v", "do", "dq")
     sig = dict(ptrs, S="i32", N="i32", H="i32", GROUP="i32", D="i32", scale="fp32")
     for t in tensors:
@@ -672,6 +705,12 @@ def static_cases() -> Iterator[StaticCase]:
                     yield StaticCase(name, kernel, _attn_signature(kind, dt), const, warps, stages,
                                      tags={"dtype": dt}, expect=_expected_mma(dtype, block_d))
         p = f"*{dt}"
+        for block_d in TILES[("dq", "fp32")]:
+            yield StaticCase("derf_bwd_delta", _derf_bwd_delta_kernel,
+                             dict(do_ptr=p, out_ptr=p, delta_ptr="*fp32", S="i32", H="i32", D="i32",
+                                  stride_dob="i32", stride_dos="i32", stride_doh="i32",
+                                  stride_ob="i32", stride_os="i32", stride_oh="i32"),
+                             dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=block_d), DELTA_WARPS, tags={"dtype": dt})
         const = dict(BLOCK_R=GATE_BLOCK_R, BLOCK_F=GATE_BLOCK_F)
         yield StaticCase("derf_gate_fwd", _gate_fwd_kernel,
                          dict(r_ptr=p, l_ptr=p, alpha_ptr="*fp32", bias_ptr="*fp32", gamma_ptr="*fp32", out_ptr=p,
