@@ -1,21 +1,28 @@
-"""Affine-scaled attention kernels: the toolkit's causal flash attention plus a
-row-wise epilogue, through the identity
+"""Affine-scaled attention kernels: the toolkit's causal flash attention plus
+row-wise and sequence-scan epilogues, through the identity
 
     O = α·(P·V) + (α_ma − α)·v̄          v̄_t = mean of the values visible to query t
 
-Forward   v̄ and the visible-key count N_t by fp32 cumulative sums (torch; with a
-          cache the sums include the cached keys); O_flash = P·V (fp32) and the
-          log-sum-exp by ``_flash``; one row-wise kernel writes
-          ``out = α·O_flash + (α_ma − α)·v̄`` in the input dtype.
+Forward   a scan kernel, grid (B·H_kv, head-dim blocks), walks the keys in blocks of
+          SCAN_BLOCK_T: an in-block ``tl.cumsum`` plus a carried fp32 running total
+          gives the visible-key sum and count N_t (cached keys first, then the
+          queries' own keys), so it writes v̄ ``[B, S, H_kv, D]`` and N_t ``[B, S]`` in
+          one read of v and the keep mask. O_flash = P·V (fp32) and the log-sum-exp by
+          ``_flash``; one row-wise kernel writes ``out = α·O_flash + (α_ma − α)·v̄`` in
+          the input dtype.
 Backward  one row-wise kernel reads the upstream g once and writes
             g′ = α·g                     (the flash backward's upstream),
             δ  = Σ_d g′·O_flash          (its row term),
-            dα = Σ_d g·(O_flash − v̄),   dα_ma partials Σ_d g·v̄,
-            w  = (α_ma − α)/N_t·g        (the v̄ path);
-          the flash backward with g′ gives dq, dk, dv; the v̄ path adds to dv the
-          reverse cumulative sum over queries of w, summed over the GQA group and
-          masked by the key keep mask (torch).
-A query with no visible key has N_t = 0: its output, v̄ and w are 0.
+            dα = Σ_d g·(O_flash − v̄),   dα_ma partials Σ_d g·v̄;
+          the flash backward with g′ gives dq, dk, dv; the reverse scan kernel adds
+          the v̄ path into dv in place: key j gets Σ over the queries t that see it
+          of c_t·g_t, c_t = (α_ma − α_t)/N_t, summed over the heads of its kv group,
+          which is a suffix sum over t (``tl.cumsum(..., reverse=True)`` plus a carried
+          total) read at the first query that sees j (t = j − (N − S), or 0 for
+          cached keys), zero on padding keys.
+A query with no visible key has N_t = 0: its output, v̄ and c_t are 0. Padding
+contents never reach kept positions (masked with ``where``, never by multiplying).
+No torch pass over a full-size tensor remains around the flash core.
 """
 from __future__ import annotations
 
@@ -36,6 +43,12 @@ __all__ = ["affine_scaled_attention", "affine_scaled_attention_fwd"]
 
 ROW_BLOCK = 16
 ROW_WARPS = 4
+# Scan tiles: SCAN_BLOCK_T positions × at most SCAN_BLOCK_D features per step; the
+# head dim is split across programs, so the scans read whole 64-128-byte segments
+# per row and B·H_kv·cdiv(D, SCAN_BLOCK_D) programs run side by side.
+SCAN_BLOCK_T = 32
+SCAN_BLOCK_D = 32
+SCAN_WARPS = 4
 
 
 @triton.jit
@@ -57,8 +70,8 @@ def _affine_combine_kernel(of_ptr, vbar_ptr, alpha_ptr, ama_ptr, out_ptr, R, H, 
 
 
 @triton.jit
-def _affine_bwd_rows_kernel(g_ptr, of_ptr, vbar_ptr, alpha_ptr, ama_ptr, nvis_ptr,
-                            gs_ptr, delta_ptr, dalpha_ptr, gvbar_ptr, w_ptr, R, S, H, HKV, D,
+def _affine_bwd_rows_kernel(g_ptr, of_ptr, vbar_ptr, alpha_ptr, ama_ptr,
+                            gs_ptr, delta_ptr, dalpha_ptr, gvbar_ptr, R, S, H, HKV, D,
                             BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_D)
@@ -72,12 +85,8 @@ def _affine_bwd_rows_kernel(g_ptr, of_ptr, vbar_ptr, alpha_ptr, ama_ptr, nvis_pt
     of = tl.load(of_ptr + offs, mask=mask, other=0.0)
     vbar = tl.load(vbar_ptr + kv_rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
     a = tl.load(alpha_ptr + rows, mask=row_ok, other=0.0)
-    ama = tl.load(ama_ptr + h, mask=row_ok, other=0.0)
-    n = tl.load(nvis_ptr + bs, mask=row_ok, other=0.0)
-    c = tl.where(n > 0, (ama - a) / tl.where(n > 0, n, 1.0), 0.0)
     gs = g * a[:, None]
     tl.store(gs_ptr + offs, gs.to(gs_ptr.dtype.element_ty), mask=mask)
-    tl.store(w_ptr + offs, g * c[:, None], mask=mask)
     # δ in the [B, H, S] layout of the flash backward
     b = bs // S
     s = bs % S
@@ -87,26 +96,136 @@ def _affine_bwd_rows_kernel(g_ptr, of_ptr, vbar_ptr, alpha_ptr, ama_ptr, nvis_pt
     tl.store(gvbar_ptr + rows, gv, mask=row_ok)
 
 
+@triton.jit
+def _keys_kept(mask_ptr, b, stride_mb, keys, key_ok, HAS_MASK: tl.constexpr):
+    """[T] bool: the key exists and is not padding."""
+    kept = key_ok
+    if HAS_MASK:
+        kept = kept & (tl.load(mask_ptr + b * stride_mb + keys, mask=key_ok, other=0) != 0)
+    return kept
+
+
+@triton.jit
+def _kept_values(v_ptr, mask_ptr, b, hk, keys, key_ok, cols, col_ok, stride_vb, stride_vn, stride_vh, stride_mb,
+                 HAS_MASK: tl.constexpr):
+    """(the keys' v rows in fp32, 0 on padding and past the end [T, BD]; 1.0 where kept [T]).
+    ``where``, not a product: padding may hold NaN."""
+    kept = _keys_kept(mask_ptr, b, stride_mb, keys, key_ok, HAS_MASK)
+    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + keys[:, None] * stride_vn + cols[None, :],
+                mask=kept[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+    return tl.where(kept[:, None], v, 0.0), kept.to(tl.float32)
+
+
+@triton.jit
+def _vbar_scan_kernel(v_ptr, mask_ptr, vbar_ptr, count_ptr, S, N, HKV, D,
+                      stride_vb, stride_vn, stride_vh, stride_mb,
+                      HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """v̄ ``[B, S, HKV, D]`` fp32 (contiguous) and, from the programs of kv head 0 and
+    the first feature block, N_t ``[B, S]`` fp32: a causal prefix scan over the keys."""
+    pid_bk = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    b = (pid_bk // HKV).to(tl.int64)
+    hk = (pid_bk % HKV).to(tl.int64)
+    past = N - S
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    steps = tl.arange(0, BLOCK_T)
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    seen = tl.sum(tl.zeros((BLOCK_T,), dtype=tl.float32), 0)    # kept keys so far (fp32 scalar)
+    for start in range(0, past, BLOCK_T):                        # cached keys: totals only
+        keys = start + steps
+        v, kept = _kept_values(v_ptr, mask_ptr, b, hk, keys, keys < past, cols, col_ok,
+                               stride_vb, stride_vn, stride_vh, stride_mb, HAS_MASK)
+        total += tl.sum(v, 0)
+        seen += tl.sum(kept, 0)
+    write_count = (pid_d == 0) & (hk == 0)
+    for start in range(0, S, BLOCK_T):                           # the queries' own keys
+        t = start + steps
+        t_ok = t < S
+        v, kept = _kept_values(v_ptr, mask_ptr, b, hk, past + t, t_ok, cols, col_ok,
+                               stride_vb, stride_vn, stride_vh, stride_mb, HAS_MASK)
+        vsum = total[None, :] + tl.cumsum(v, 0)
+        count = seen + tl.cumsum(kept, 0)
+        vbar = vsum / tl.maximum(count, 1.0)[:, None]           # N_t = 0 ⇒ vsum = 0 ⇒ v̄ = 0
+        rows = (b * S + t) * HKV + hk
+        tl.store(vbar_ptr + rows[:, None] * D + cols[None, :], vbar, mask=t_ok[:, None] & col_ok[None, :])
+        tl.store(count_ptr + b * S + t, count, mask=t_ok & write_count)
+        total += tl.sum(v, 0)
+        seen += tl.sum(kept, 0)
+
+
+@triton.jit
+def _vbar_grad_scan_kernel(g_ptr, alpha_ptr, ama_ptr, count_ptr, mask_ptr, dv_ptr, S, N, H, HKV, D, stride_mb,
+                           HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dv[j] += keep_j·Σ_{t sees j} c_t·g_t (over the kv group's heads), in place on the
+    contiguous ``[B, N, HKV, D]`` dv: a suffix scan over the queries, last block first."""
+    pid_bk = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    b = (pid_bk // HKV).to(tl.int64)
+    hk = (pid_bk % HKV).to(tl.int64)
+    group = H // HKV
+    past = N - S
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    steps = tl.arange(0, BLOCK_T)
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    blocks = tl.cdiv(S, BLOCK_T)
+    for i in range(0, blocks):
+        t = (blocks - 1 - i) * BLOCK_T + steps
+        t_ok = t < S
+        tile = t_ok[:, None] & col_ok[None, :]
+        n = tl.load(count_ptr + b * S + t, mask=t_ok, other=0.0)
+        w = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for j in range(0, group):
+            h = hk * group + j
+            rows = (b * S + t) * H + h
+            a = tl.load(alpha_ptr + rows, mask=t_ok, other=0.0)
+            c = tl.where(n > 0, (tl.load(ama_ptr + h) - a) / tl.maximum(n, 1.0), 0.0)
+            g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+            w += g * c[:, None]
+        suffix = total[None, :] + tl.cumsum(w, 0, reverse=True)
+        total += tl.sum(w, 0)
+        _add_where_kept(dv_ptr, mask_ptr, b, hk, past + t, t_ok, cols, col_ok, N, HKV, D, stride_mb, suffix, HAS_MASK)
+    for start in range(0, past, BLOCK_T):                        # cached keys: every query sees them
+        keys = start + steps
+        _add_where_kept(dv_ptr, mask_ptr, b, hk, keys, keys < past, cols, col_ok, N, HKV, D, stride_mb,
+                        total[None, :], HAS_MASK)
+
+
+@triton.jit
+def _add_where_kept(dv_ptr, mask_ptr, b, hk, keys, key_ok, cols, col_ok, N, HKV, D, stride_mb, value,
+                    HAS_MASK: tl.constexpr):
+    """dv[b, keys, hk, cols] += value on kept keys (value broadcasts to [T, BD])."""
+    kept = _keys_kept(mask_ptr, b, stride_mb, keys, key_ok, HAS_MASK)
+    tile = key_ok[:, None] & col_ok[None, :]
+    ptrs = dv_ptr + ((b * N + keys) * HKV + hk)[:, None] * D + cols[None, :]
+    dv = tl.load(ptrs, mask=tile, other=0.0).to(tl.float32)
+    tl.store(ptrs, (dv + tl.where(kept[:, None], value, 0.0)).to(dv_ptr.dtype.element_ty), mask=tile)
+
+
 def _row_grid(rows: int):
     return (triton.cdiv(rows, ROW_BLOCK),)
 
 
+def _scan_grid(batch: int, kv_heads: int, head_dim: int):
+    return (batch * kv_heads, triton.cdiv(head_dim, _scan_block_d(head_dim)))
+
+
+def _scan_block_d(head_dim: int) -> int:
+    return min(SCAN_BLOCK_D, _flash.block_d(head_dim))
+
+
 def _running_mean(v: torch.Tensor, key_mask: torch.Tensor | None, queries: int):
     """(v̄ ``[B, S, H_kv, D]`` fp32, N_t ``[B, S]`` fp32) for the last ``queries`` positions."""
-    B, N = v.shape[0], v.shape[1]
-    past = N - queries
-    vf = v.float()
-    if key_mask is None:
-        count = torch.arange(past + 1, N + 1, device=v.device, dtype=torch.float32).expand(B, queries)
-    else:
-        keep = key_mask.float()
-        vf = vf * keep[:, :, None, None]
-        count = keep.cumsum(1)[:, past:]
-    vsum = vf[:, past:].cumsum(1)
-    if past:
-        vsum = vsum + vf[:, :past].sum(1, keepdim=True)
-    vbar = vsum / count.clamp_min(1.0)[:, :, None, None]
-    return vbar.contiguous(), count.contiguous()
+    B, N, HKV, D = v.shape
+    vbar = empty((B, queries, HKV, D), dtype=torch.float32, device=v.device)
+    count = empty((B, queries), dtype=torch.float32, device=v.device)
+    wrap_triton(_vbar_scan_kernel)[_scan_grid(B, HKV, D)](
+        v, key_mask, vbar, count, queries, N, HKV, D, v.stride(0), v.stride(1), v.stride(2),
+        0 if key_mask is None else key_mask.stride(0),
+        HAS_MASK=key_mask is not None, BLOCK_T=SCAN_BLOCK_T, BLOCK_D=_scan_block_d(D), num_warps=SCAN_WARPS,
+    )
+    return vbar, count
 
 
 @triton_op("laminae::affine_scaled_attention_fwd", mutates_args=())
@@ -138,25 +257,19 @@ def _affine_scaled_attention_bwd(
     N, HKV = k.shape[1], k.shape[2]
     rows = B * S * H
     g_scaled = empty(q.shape, dtype=q.dtype, device=q.device)
-    w = empty(q.shape, dtype=torch.float32, device=q.device)
     delta = empty((B, H, S), dtype=torch.float32, device=q.device)
     dalpha = empty((B, S, H), dtype=torch.float32, device=q.device)
     g_vbar = empty((B, S, H), dtype=torch.float32, device=q.device)
     wrap_triton(_affine_bwd_rows_kernel)[_row_grid(rows)](
-        g, o_flash, vbar, alpha, alpha_ma, count, g_scaled, delta, dalpha, g_vbar, w, rows, S, H, HKV, D,
+        g, o_flash, vbar, alpha, alpha_ma, g_scaled, delta, dalpha, g_vbar, rows, S, H, HKV, D,
         BLOCK_R=ROW_BLOCK, BLOCK_D=_flash.block_d(D), num_warps=ROW_WARPS,
     )
     dq, dk, dv = _flash.flash_backward(q, k, v, key_mask, g_scaled, lse, delta)
-    # v̄ path: key j gets Σ over the queries t that see it of (α_ma − α_t)/N_t·g_t, summed
-    # over the heads of its kv group: a reverse cumulative sum over t, read at the first
-    # query that sees j (t = j − (N − S), or 0 for cached keys).
-    w_kv = w.view(B, S, HKV, H // HKV, D).sum(3)
-    suffix = w_kv.flip(1).cumsum(1).flip(1)
-    first_query = (torch.arange(N, device=q.device) - (N - S)).clamp_min(0)
-    dv_mean = suffix[:, first_query]
-    if key_mask is not None:
-        dv_mean = dv_mean * key_mask.float()[:, :, None, None]
-    dv = (dv.float() + dv_mean).to(v.dtype)
+    dv = dv.contiguous()
+    wrap_triton(_vbar_grad_scan_kernel)[_scan_grid(B, HKV, D)](
+        g, alpha, alpha_ma, count, key_mask, dv, S, N, H, HKV, D, 0 if key_mask is None else key_mask.stride(0),
+        HAS_MASK=key_mask is not None, BLOCK_T=SCAN_BLOCK_T, BLOCK_D=_scan_block_d(D), num_warps=SCAN_WARPS,
+    )
     dalpha_ma = g_vbar.sum(dim=(0, 1))
     return dq, dk, dv, dalpha, dalpha_ma
 
@@ -213,8 +326,8 @@ def affine_scaled_attention(
 
 
 def static_cases() -> Iterator[StaticCase]:
-    """The row kernels at each padded head dim and dtype, plus every flash configuration
-    (with the fp32 O_flash the epilogue reads)."""
+    """The row and scan kernels at each padded head dim and dtype, plus every flash
+    configuration (with the fp32 O_flash the epilogue reads)."""
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
         for bd in (16, 32, 64, 128, 256):
@@ -224,9 +337,20 @@ def static_cases() -> Iterator[StaticCase]:
                                   R="i32", H="i32", HKV="i32", D="i32"), const, ROW_WARPS, tags={"dtype": dt})
             yield StaticCase("affine_bwd_rows", _affine_bwd_rows_kernel,
                              dict(g_ptr=p, of_ptr="*fp32", vbar_ptr="*fp32", alpha_ptr="*fp32", ama_ptr="*fp32",
-                                  nvis_ptr="*fp32", gs_ptr=p, delta_ptr="*fp32", dalpha_ptr="*fp32",
-                                  gvbar_ptr="*fp32", w_ptr="*fp32", R="i32", S="i32", H="i32", HKV="i32", D="i32"),
+                                  gs_ptr=p, delta_ptr="*fp32", dalpha_ptr="*fp32", gvbar_ptr="*fp32",
+                                  R="i32", S="i32", H="i32", HKV="i32", D="i32"),
                              const, ROW_WARPS, tags={"dtype": dt})
+        for bd in sorted({_scan_block_d(d) for d in (16, 32, 64, 128, 256)}):
+            for has_mask in (False, True):
+                const = dict(HAS_MASK=has_mask, BLOCK_T=SCAN_BLOCK_T, BLOCK_D=bd)
+                yield StaticCase("vbar_scan", _vbar_scan_kernel,
+                                 dict(v_ptr=p, mask_ptr="*i8", vbar_ptr="*fp32", count_ptr="*fp32", S="i32", N="i32",
+                                      HKV="i32", D="i32", stride_vb="i32", stride_vn="i32", stride_vh="i32",
+                                      stride_mb="i32"), const, SCAN_WARPS, tags={"dtype": dt})
+                yield StaticCase("vbar_grad_scan", _vbar_grad_scan_kernel,
+                                 dict(g_ptr=p, alpha_ptr="*fp32", ama_ptr="*fp32", count_ptr="*fp32", mask_ptr="*i8",
+                                      dv_ptr=p, S="i32", N="i32", H="i32", HKV="i32", D="i32", stride_mb="i32"),
+                                 const, SCAN_WARPS, tags={"dtype": dt})
     yield from _flash.static_cases(out_dtypes=("fp32",))
 
 

@@ -5,20 +5,24 @@ Attention (flash-style: no [S, N] matrix is ever stored; extra memory is O(S)):
 Forward   grid (query blocks, B·H). Each program walks the key blocks up to its
           causal limit: s = q·kᵀ·scale, w = γ·(erf(α·s + b) + 1)/2 where visible,
           acc += w·v, den += Σw; writes out = acc/(den + 1e-8) and den (fp32).
-Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i (torch):
+Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i:
             dw_ij = (dout_i·v_j − delta_i)·rden_i
             dz_ij = dw_ij·γ/√π·exp(−z_ij²)          z = α·s + b, zero where masked
           dK/dV kernel, grid (key blocks, B·H_kv): for every query head of the kv
           group and every query block at or after the key block, accumulates
             dv_j += Σ_i w_ij·rden_i·dout_i,   dk_j += Σ_i α·dz_ij·q_i·scale.
+          delta_i by a row kernel (one read of dout and out); rden in the kernels.
           dQ kernel, grid (query blocks, B·H): dq_i = Σ_j α·dz_ij·k_j·scale, plus
           per-program partial sums Σ dz·s, Σ dz, Σ dw·(erf+1)/2 for dα, db, dγ
           (reduced in torch; they sit here rather than in the dK/dV kernel, whose
           two [BLOCK_N, D] accumulators already fill the registers).
-          Both recompute s and w; nothing is written twice, so no atomics.
+          Both recompute s and w through the same tile helpers; nothing is
+          written twice, so no atomics.
 
-(erf(z) + 1)/2 is evaluated as erfc(−z)/2 with a rational approximation (relative
-error ≲ 2e-6 for |z| < 4, ≲ 1e-5 out to fp32 underflow). Written as erf(z) + 1 it cancels catastrophically for
+(erf(z) + 1)/2 is evaluated as erfc(−z)/2 = exp(−z²)·t·P(t) (t = 1/(1 + |z|/2), P a
+degree-10 fit of erfcx; relative error ≲ 4e-6 in fp32 out to underflow), so the
+backward's exp(−z²) serves the weight and its slope alike (one exponential per pair).
+Written as erf(z) + 1 it cancels catastrophically for
 z ≲ −3 in fp32 (erf(−4) rounds to −1), and attention rows whose weights all lie
 there would then depend on the last bit of erf.
 
@@ -37,7 +41,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from laminae.primitives._errors import DTypeError, ShapeError
-from laminae.primitives.derf import DERF_EPS, check_derf_attention_inputs
+from laminae.primitives.derf import check_derf_attention_inputs
 
 from ._common import StaticCase, dot_precision, empty, empty_like, num_programs_for_rows, triton_dtype
 
@@ -48,7 +52,12 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 
 # Tiles, per kernel and input precision, for each padded head dim:
 # BLOCK_D -> (BLOCK_M, BLOCK_N, num_warps, num_stages). fp32 dots run on FMA units
-# (exact products), which hold their operands in registers: smaller tiles. Every
+# (exact products), which hold their operands in registers: smaller tiles. 16-bit
+# tiles up to head dim 128 put ≥ 64 rows per warpgroup on the M side of every dot
+# (BLOCK_M for the forward and dQ, BLOCK_N for dK/dV), so ptxas emits wgmma (HGMMA);
+# dK/dV at 128 takes 8 warps (two warpgroups split the [64, 128] dk/dv accumulators)
+# to stay spill-free. At head dim 256 every wgmma tiling tried spills (the fp32
+# accumulators alone fill the registers), so those tiles stay on mma.sync. Every
 # entry is compiled for sm_90 by the static check (no spills, shared <= 227 KB).
 TILES = {
     ("fwd", "fp32"): {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2),
@@ -57,7 +66,7 @@ TILES = {
                        256: (64, 32, 8, 2)},
     ("dkdv", "fp32"): {16: (32, 32, 4, 2), 32: (32, 32, 8, 2), 64: (32, 32, 8, 2), 128: (32, 16, 8, 2),
                        256: (16, 16, 8, 2)},
-    ("dkdv", "16bit"): {16: (32, 64, 4, 2), 32: (32, 64, 4, 2), 64: (32, 64, 4, 2), 128: (32, 32, 4, 2),
+    ("dkdv", "16bit"): {16: (32, 64, 4, 2), 32: (32, 64, 4, 2), 64: (32, 64, 4, 2), 128: (32, 64, 8, 2),
                         256: (32, 16, 8, 2)},
     ("dq", "fp32"): {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2),
                      256: (16, 16, 4, 2)},
@@ -70,6 +79,9 @@ def _tiles(kind: str, dtype: torch.dtype, block_d: int) -> tuple[int, int, int, 
     return TILES[(kind, "fp32" if dtype == torch.float32 else "16bit")][block_d]
 
 
+DELTA_BLOCK_M = 16
+DELTA_WARPS = 4
+
 GATE_BLOCK_R = 16
 GATE_BLOCK_F = 128
 GATE_WARPS = 4
@@ -81,25 +93,82 @@ GATE_WARPS = 4
 
 
 @triton.jit
-def _erf_plus_one_half(z):
-    """(erf(z) + 1)/2 = erfc(−z)/2, accurate in relative terms for every z.
+def _erf_plus_one_half(z, gauss):
+    """(erf(z) + 1)/2 = erfc(−z)/2, accurate in relative terms for every z, given
+    ``gauss`` = exp(−z²), which the derivative needs too: one exponential serves both.
 
-    erfc(x), x ≥ 0, by the Chebyshev-fitted rational form of Numerical Recipes
-    (fractional error < 1.2e-7 in exact arithmetic)."""
+    erfc(x)/2 = exp(−x²)·t·P(t) for x = |z|, t = 1/(1 + 0.5·x), P of degree 10 fitted
+    to erfcx(x)/(2t) on t ∈ (0, 1] (relative error 1.1e-8 in float64; in fp32 the
+    rounding of x² inside the exponential dominates: ≲ 4e-6 out to underflow)."""
     x = tl.abs(z)
     t = 1.0 / (1.0 + 0.5 * x)
-    p = 0.17087277
-    p = -0.82215223 + t * p
-    p = 1.48851587 + t * p
-    p = -1.13520398 + t * p
-    p = 0.27886807 + t * p
-    p = -0.18628806 + t * p
-    p = 0.09678418 + t * p
-    p = 0.37409196 + t * p
-    p = 1.00002368 + t * p
-    p = -1.26551223 + t * p
-    half_erfc = 0.5 * t * tl.exp(p - x * x)
+    p = 0.021195816822681804
+    p = -0.11551384755328534 + t * p
+    p = 0.2432450224449441 + t * p
+    p = -0.22364439550415813 + t * p
+    p = 0.06363758316377867 + t * p
+    p = -0.02865002739612948 + t * p
+    p = 0.04650766898943596 + t * p
+    p = 0.08768750267797801 + t * p
+    p = 0.12344034990668673 + t * p
+    p = 0.14104692496759885 + t * p
+    p = 0.14104739740432265 + t * p
+    half_erfc = t * p * gauss
     return tl.where(z < 0, half_erfc, 1.0 - half_erfc)
+
+
+@triton.jit
+def _erf_parts(z):
+    """((erf(z) + 1)/2, exp(−z²)): the DERF weight shape and, up to 1/√π, its slope."""
+    gauss = tl.exp(-z * z)
+    return _erf_plus_one_half(z, gauss), gauss
+
+
+# ----------------------------------------------------------------------------
+# Attention tile pieces (shared by the forward, dK/dV and dQ kernels)
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(base, rows, stride, cols, row_ok, col_ok):
+    """A [rows, cols] tile of a row-major view (unit last stride), 0 outside."""
+    return tl.load(base + rows[:, None] * stride + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _store_rows(base, rows, stride, cols, row_ok, col_ok, value):
+    tl.store(base + rows[:, None] * stride + cols[None, :], value.to(base.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK: tl.constexpr):
+    """[BLOCK_N] bool: key exists and is not padding."""
+    kept = n_ok
+    if HAS_MASK:
+        kept = kept & (tl.load(mask_ptr + b * stride_mb + offs_n, mask=n_ok, other=0) != 0)
+    return kept
+
+
+@triton.jit
+def _rden(den_ptr, rows, row_ok):
+    """1/(den + 1e-8) for the given rows of one (batch, head), 0 past the end."""
+    return tl.where(row_ok, 1.0 / (tl.load(den_ptr + rows, mask=row_ok, other=0.0) + 1e-8), 0.0)
+
+
+@triton.jit
+def _derf_grad_tile(s, dp, delta, rden, visible, alpha, bias, gamma):
+    """The backward's per-pair terms on a tile of scores, in either orientation
+    (``delta``/``rden`` arrive broadcast along the query axis of ``s``):
+
+        half = (erf(z) + 1)/2 with z = α·s + b,
+        dw   = (dout_i·v_j − δ_i)·rden_i        on visible pairs, 0 elsewhere,
+        dz   = dw·γ/√π·exp(−z²)                 (dLoss/dz)."""
+    z = alpha * s + bias
+    half, gauss = _erf_parts(z)
+    dw = tl.where(visible, (dp - delta) * rden, 0.0)
+    dz = dw * (gamma * 0.5641895835477563) * gauss
+    return half, dw, dz
 
 
 # ----------------------------------------------------------------------------
@@ -130,11 +199,9 @@ def _derf_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < S
     d_ok = offs_d < D
-    q_base = q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh
     k_base = k_ptr + b * stride_kb + hk * stride_kh
     v_base = v_ptr + b * stride_vb + hk * stride_vh
-    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-
+    q = _load_rows(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh, offs_m, stride_qs, offs_d, m_ok, d_ok)
     alpha = tl.load(alpha_ptr + h)
     bias = tl.load(bias_ptr + h)
     gamma = tl.load(gamma_ptr + h)
@@ -146,30 +213,46 @@ def _derf_fwd_kernel(
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _load_rows(k_base, offs_n, stride_kn, offs_d, n_ok, d_ok)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + b * stride_mb + offs_n, mask=n_ok, other=0)
-            visible = visible & (keep != 0)[None, :]
-        w = gamma * _erf_plus_one_half(alpha * s + bias)
-        w = tl.where(visible, w, 0.0)
+        kept = _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK)
+        visible = (offs_n[None, :] <= qpos[:, None]) & kept[None, :]
+        half, _ = _erf_parts(alpha * s + bias)
+        w = tl.where(visible, gamma * half, 0.0)
         den += tl.sum(w, axis=1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = _load_rows(v_base, offs_n, stride_vn, offs_d, n_ok, d_ok)
         acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
 
     out = acc / (den + 1e-8)[:, None]
-    o_base = out_ptr + b * stride_ob + h.to(tl.int64) * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & d_ok[None, :])
+    _store_rows(out_ptr + b * stride_ob + h.to(tl.int64) * stride_oh, offs_m, stride_os, offs_d, m_ok, d_ok, out)
     tl.store(den_ptr + pid_bh.to(tl.int64) * S + offs_m, den, mask=m_ok)
+
+
+@triton.jit
+def _derf_bwd_delta_kernel(do_ptr, out_ptr, delta_ptr, S, H, D,
+                           stride_dob, stride_dos, stride_doh, stride_ob, stride_os, stride_oh,
+                           BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """delta_i = dout_i·out_i in fp32, [B, H, S]: one read of dout and out (rather than
+    torch upcasts, a product and a sum over [B, S, H, D]); kept out of the dQ kernel,
+    whose registers are full."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < S
+    d_ok = offs_d < D
+    do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, offs_m, stride_dos, offs_d, m_ok, d_ok)
+    out = _load_rows(out_ptr + b * stride_ob + h * stride_oh, offs_m, stride_os, offs_d, m_ok, d_ok)
+    delta = tl.sum(do.to(tl.float32) * out.to(tl.float32), axis=1)
+    tl.store(delta_ptr + pid_bh.to(tl.int64) * S + offs_m, delta, mask=m_ok)
 
 
 @triton.jit
 def _derf_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr,
-    do_ptr, delta_ptr, rden_ptr, dk_ptr, dv_ptr,
+    do_ptr, delta_ptr, den_ptr, dk_ptr, dv_ptr,
     S, N, H, GROUP, D, scale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -182,27 +265,22 @@ def _derf_bwd_dkdv_kernel(
     PRECISION: tl.constexpr,
 ):
     # Works in the transposed orientation [keys, queries] so that the key block's
-    # k, v, dk, dv stay put while the query blocks stream past.
+    # k, v, dk, dv stay put while the query blocks stream past; the key block is the
+    # M side of every dot (BLOCK_N ≥ 64 per warpgroup for wgmma).
     pid_n = tl.program_id(0)
     pid_bk = tl.program_id(1)
     kv_heads = H // GROUP
     b = (pid_bk // kv_heads).to(tl.int64)
-    hk = pid_bk % kv_heads
+    hk = (pid_bk % kv_heads).to(tl.int64)
     past = N - S
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < N
     d_ok = offs_d < D
-    kv_mask = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_ptr + b * stride_kb + hk.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + b * stride_vb + hk.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
-                mask=kv_mask, other=0.0)
-    key_ok = n_ok
-    if HAS_MASK:
-        keep = tl.load(mask_ptr + b * stride_mb + offs_n, mask=n_ok, other=0)
-        key_ok = key_ok & (keep != 0)
+    k = _load_rows(k_ptr + b * stride_kb + hk * stride_kh, offs_n, stride_kn, offs_d, n_ok, d_ok)
+    v = _load_rows(v_ptr + b * stride_vb + hk * stride_vh, offs_n, stride_vn, offs_d, n_ok, d_ok)
+    kept = _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK)
 
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -214,38 +292,33 @@ def _derf_bwd_dkdv_kernel(
         alpha = tl.load(alpha_ptr + h)
         bias = tl.load(bias_ptr + h)
         gamma = tl.load(gamma_ptr + h)
-        q_base = q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh
-        do_base = do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh
+        q_base = q_ptr + b * stride_qb + h * stride_qh
+        do_base = do_ptr + b * stride_dob + h * stride_doh
         row_base = (b * H + h) * S
         for start_m in range(lo, S, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             m_ok = offs_m < S
-            qd_mask = m_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=qd_mask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=qd_mask, other=0.0)
+            q = _load_rows(q_base, offs_m, stride_qs, offs_d, m_ok, d_ok)
+            do = _load_rows(do_base, offs_m, stride_dos, offs_d, m_ok, d_ok)
             delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-            rden = tl.load(rden_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            rden = _rden(den_ptr + row_base, offs_m, m_ok)
 
-            z = alpha * scale * tl.dot(k, tl.trans(q), input_precision=PRECISION) + bias   # [N, M]
-            visible = key_ok[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :] + past)
-            w_r = tl.where(visible, gamma * _erf_plus_one_half(z) * rden[None, :], 0.0)
+            s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale                   # [N, M]
+            dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)                         # dout_i·v_j
+            visible = kept[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :] + past)
+            half, _, dz = _derf_grad_tile(s, dp, delta[None, :], rden[None, :], visible, alpha, bias, gamma)
+            w_r = tl.where(visible, gamma * half * rden[None, :], 0.0)
             dv += tl.dot(w_r.to(do.dtype), do, input_precision=PRECISION)
-            dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)                        # dout_i·v_j
-            dw = tl.where(visible, (dp - delta[None, :]) * rden[None, :], 0.0)
-            ds = dw * (alpha * gamma * 0.5641895835477563) * tl.exp(-z * z)                # α·γ/√π·e^(−z²)
-            dk += tl.dot(ds.to(q.dtype), q, input_precision=PRECISION)
+            dk += tl.dot((dz * alpha).to(q.dtype), q, input_precision=PRECISION)
 
-    dk = dk * scale
-    dk_base = dk_ptr + b * stride_dkb + hk.to(tl.int64) * stride_dkh
-    dv_base = dv_ptr + b * stride_dvb + hk.to(tl.int64) * stride_dvh
-    tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty), mask=kv_mask)
-    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+    _store_rows(dk_ptr + b * stride_dkb + hk * stride_dkh, offs_n, stride_dkn, offs_d, n_ok, d_ok, dk * scale)
+    _store_rows(dv_ptr + b * stride_dvb + hk * stride_dvh, offs_n, stride_dvn, offs_d, n_ok, d_ok, dv)
 
 
 @triton.jit
 def _derf_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr,
-    do_ptr, delta_ptr, rden_ptr, dq_ptr, part_ptr,
+    do_ptr, delta_ptr, den_ptr, dq_ptr, part_ptr,
     S, N, H, GROUP, D, scale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -259,21 +332,18 @@ def _derf_bwd_dq_kernel(
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
-    h = pid_bh % H
-    hk = (h // GROUP).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    hk = h // GROUP
     past = N - S
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < S
     d_ok = offs_d < D
-    qd_mask = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=qd_mask, other=0.0)
-    do = tl.load(do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dos
-                 + offs_d[None, :], mask=qd_mask, other=0.0)
+    q = _load_rows(q_ptr + b * stride_qb + h * stride_qh, offs_m, stride_qs, offs_d, m_ok, d_ok)
+    do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, offs_m, stride_dos, offs_d, m_ok, d_ok)
     delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * S + offs_m, mask=m_ok, other=0.0)
-    rden = tl.load(rden_ptr + pid_bh.to(tl.int64) * S + offs_m, mask=m_ok, other=0.0)
+    rden = _rden(den_ptr + pid_bh.to(tl.int64) * S, offs_m, m_ok)
     alpha = tl.load(alpha_ptr + h)
     bias = tl.load(bias_ptr + h)
     gamma = tl.load(gamma_ptr + h)
@@ -289,30 +359,23 @@ def _derf_bwd_dq_kernel(
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        k = _load_rows(k_base, offs_n, stride_kn, offs_d, n_ok, d_ok)
+        v = _load_rows(v_base, offs_n, stride_vn, offs_d, n_ok, d_ok)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale                    # [M, N]
-        visible = (offs_n[None, :] <= qpos[:, None]) & n_ok[None, :]
-        if HAS_MASK:
-            keep = tl.load(mask_ptr + b * stride_mb + offs_n, mask=n_ok, other=0)
-            visible = visible & (keep != 0)[None, :]
-        z = alpha * s + bias
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        dw = tl.where(visible, (dp - delta[:, None]) * rden[:, None], 0.0)
-        dz = dw * (gamma * 0.5641895835477563) * tl.exp(-z * z)                          # γ/√π·e^(−z²)
+        kept = _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK)
+        visible = (offs_n[None, :] <= qpos[:, None]) & kept[None, :]
+        half, dw, dz = _derf_grad_tile(s, dp, delta[:, None], rden[:, None], visible, alpha, bias, gamma)
         dq += tl.dot((dz * alpha).to(k.dtype), k, input_precision=PRECISION)
         sum_dz_s += tl.sum(dz * s, axis=1)
         sum_dz += tl.sum(dz, axis=1)
-        sum_dw_e += tl.sum(dw * _erf_plus_one_half(z), axis=1)
+        sum_dw_e += tl.sum(dw * half, axis=1)
 
     part = part_ptr + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * 3
     tl.store(part, tl.sum(sum_dz_s, axis=0))
     tl.store(part + 1, tl.sum(sum_dz, axis=0))
     tl.store(part + 2, tl.sum(sum_dw_e, axis=0))
-    dq = dq * scale
-    tl.store(dq_ptr + b * stride_dqb + h.to(tl.int64) * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
-             dq.to(dq_ptr.dtype.element_ty), mask=qd_mask)
+    _store_rows(dq_ptr + b * stride_dqb + h * stride_dqh, offs_m, stride_dqs, offs_d, m_ok, d_ok, dq * scale)
 
 
 # ----------------------------------------------------------------------------
@@ -374,7 +437,7 @@ def _derf_attention_bwd(
     den: torch.Tensor, derf_alpha: torch.Tensor, derf_bias: torch.Tensor, derf_gamma: torch.Tensor,
     key_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v, dout = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(dout)
+    q, k, v, dout, out = _unit_last(q), _unit_last(k), _unit_last(v), _unit_last(dout), _unit_last(out)
     B, S, H, D = q.shape
     N, kv_heads = k.shape[1], k.shape[2]
     group = H // kv_heads
@@ -382,19 +445,10 @@ def _derf_attention_bwd(
     block_d = _block_d(D)
     precision = dot_precision(q.dtype)
     mask, stride_mb = _mask_args(key_mask)
-    # O(S) row statistics: delta_i = dout_i·out_i and rden_i = 1/(den_i + eps), [B, H, S]
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
-    rden = 1.0 / (den + DERF_EPS)
-
-    dk = empty((B, N, kv_heads, D), dtype=k.dtype, device=k.device)
-    dv = empty((B, N, kv_heads, D), dtype=v.dtype, device=v.device)
-    block_m, block_n, warps, stages = _tiles("dkdv", q.dtype, block_d)
-    wrap_triton(_derf_bwd_dkdv_kernel)[(triton.cdiv(N, block_n), B * kv_heads)](
-        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, rden, dk, dv,
-        S, N, H, group, D, scale,
-        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv), stride_mb,
-        HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
+    delta = empty((B, H, S), dtype=torch.float32, device=q.device)
+    wrap_triton(_derf_bwd_delta_kernel)[(triton.cdiv(S, DELTA_BLOCK_M), B * H)](
+        dout, out, delta, S, H, D, *_strides3(dout), *_strides3(out),
+        BLOCK_M=DELTA_BLOCK_M, BLOCK_D=block_d, num_warps=DELTA_WARPS,
     )
 
     dq = empty((B, S, H, D), dtype=q.dtype, device=q.device)
@@ -402,9 +456,20 @@ def _derf_attention_bwd(
     query_blocks = triton.cdiv(S, block_m)
     partials = empty((B, H, query_blocks, 3), dtype=torch.float32, device=q.device)
     wrap_triton(_derf_bwd_dq_kernel)[(query_blocks, B * H)](
-        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, rden, dq, partials,
+        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, den, dq, partials,
         S, N, H, group, D, scale,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dq), stride_mb,
+        HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        PRECISION=precision, num_warps=warps, num_stages=stages,
+    )
+
+    dk = empty((B, N, kv_heads, D), dtype=k.dtype, device=k.device)
+    dv = empty((B, N, kv_heads, D), dtype=v.dtype, device=v.device)
+    block_m, block_n, warps, stages = _tiles("dkdv", q.dtype, block_d)
+    wrap_triton(_derf_bwd_dkdv_kernel)[(triton.cdiv(N, block_n), B * kv_heads)](
+        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, den, dk, dv,
+        S, N, H, group, D, scale,
+        *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv), stride_mb,
         HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         PRECISION=precision, num_warps=warps, num_stages=stages,
     )
@@ -487,7 +552,8 @@ def _gate_fwd_kernel(r_ptr, l_ptr, alpha_ptr, bias_ptr, gamma_ptr, out_ptr, R, F
     gamma = tl.load(gamma_ptr + cols, mask=col_ok, other=0.0)
     r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     logit = tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    gate = gamma[None, :] * _erf_plus_one_half(alpha[None, :] * logit + bias[None, :])
+    half, _ = _erf_parts(alpha[None, :] * logit + bias[None, :])
+    gate = gamma[None, :] * half
     tl.store(out_ptr + offs, (r * gate).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -515,9 +581,9 @@ def _gate_bwd_kernel(g_ptr, r_ptr, l_ptr, alpha_ptr, bias_ptr, gamma_ptr, dr_ptr
         r = tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         logit = tl.load(l_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         z = alpha * logit + bias
-        e_half = _erf_plus_one_half(z)
+        e_half, gauss = _erf_parts(z)
         gr = g * r
-        dz = gr * gamma * 0.5641895835477563 * tl.exp(-z * z)
+        dz = gr * gamma * 0.5641895835477563 * gauss
         tl.store(dr_ptr + offs, (g * gamma * e_half).to(dr_ptr.dtype.element_ty), mask=mask)
         tl.store(dl_ptr + offs, (dz * alpha).to(dl_ptr.dtype.element_ty), mask=mask)
         sum_alpha += tl.sum(dz * logit, axis=0)
@@ -607,10 +673,10 @@ def _attn_signature(kernel_kind: str, dt: str) -> dict[str, str]:
         ptrs.update(out_ptr=p, den_ptr=f32)
         tensors = ("q", "k", "v", "o")
     elif kernel_kind == "dkdv":
-        ptrs.update(do_ptr=p, delta_ptr=f32, rden_ptr=f32, dk_ptr=p, dv_ptr=p)
+        ptrs.update(do_ptr=p, delta_ptr=f32, den_ptr=f32, dk_ptr=p, dv_ptr=p)
         tensors = ("q", "k", "v", "do", "dk", "dv")
     else:
-        ptrs.update(do_ptr=p, delta_ptr=f32, rden_ptr=f32, dq_ptr=p, part_ptr=f32)
+        ptrs.update(do_ptr=p, delta_ptr=f32, den_ptr=f32, dq_ptr=p, part_ptr=f32)
         tensors = ("q", "k", "v", "do", "dq")
     sig = dict(ptrs, S="i32", N="i32", H="i32", GROUP="i32", D="i32", scale="fp32")
     for t in tensors:
@@ -619,6 +685,10 @@ def _attn_signature(kernel_kind: str, dt: str) -> dict[str, str]:
             sig[f"stride_{t}{ax}"] = "i32"
     sig["stride_mb"] = "i32"
     return sig
+
+
+def _expected_mma(dtype: torch.dtype, block_d: int) -> str:
+    return "HGMMA" if dtype != torch.float32 and block_d <= 128 else ""
 
 
 def static_cases() -> Iterator[StaticCase]:
@@ -633,8 +703,14 @@ def static_cases() -> Iterator[StaticCase]:
                     const = dict(HAS_MASK=has_mask, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                                  PRECISION=dot_precision(dtype))
                     yield StaticCase(name, kernel, _attn_signature(kind, dt), const, warps, stages,
-                                     tags={"dtype": dt})
+                                     tags={"dtype": dt}, expect=_expected_mma(dtype, block_d))
         p = f"*{dt}"
+        for block_d in TILES[("dq", "fp32")]:
+            yield StaticCase("derf_bwd_delta", _derf_bwd_delta_kernel,
+                             dict(do_ptr=p, out_ptr=p, delta_ptr="*fp32", S="i32", H="i32", D="i32",
+                                  stride_dob="i32", stride_dos="i32", stride_doh="i32",
+                                  stride_ob="i32", stride_os="i32", stride_oh="i32"),
+                             dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=block_d), DELTA_WARPS, tags={"dtype": dt})
         const = dict(BLOCK_R=GATE_BLOCK_R, BLOCK_F=GATE_BLOCK_F)
         yield StaticCase("derf_gate_fwd", _gate_fwd_kernel,
                          dict(r_ptr=p, l_ptr=p, alpha_ptr="*fp32", bias_ptr="*fp32", gamma_ptr="*fp32", out_ptr=p,

@@ -1,3 +1,4 @@
+import importlib
 from contextlib import contextmanager
 
 import pytest
@@ -18,19 +19,24 @@ from laminae.triton_ops.affine_scaled_attention import (
 
 from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
 
+affine = importlib.import_module("laminae.triton_ops.affine_scaled_attention")
+
 SMALL = _flash.FlashTiles(16, 16, 4, 16, 16, 4, 16, 16, 4)
 
 
 @contextmanager
 def small_tiles(enabled: bool = True):
-    """16×16 tiles, so short sequences still span several query and key blocks."""
-    original = _flash.tiles
+    """16×16 flash tiles and 8-position scan blocks, so short sequences still span
+    several query and key blocks and the running-mean scans carry totals across
+    blocks (of cached keys and of the queries' own keys)."""
+    original = _flash.tiles, affine.SCAN_BLOCK_T
     if enabled:
         _flash.tiles = lambda head_dim, dtype: SMALL
+        affine.SCAN_BLOCK_T = 8
     try:
         yield
     finally:
-        _flash.tiles = original
+        _flash.tiles, affine.SCAN_BLOCK_T = original
 
 
 def _inputs(B, S, extra, H, Hkv, D, masked, scale, seed, dtype=torch.float32):
@@ -96,6 +102,26 @@ def test_fully_masked_rows_give_zero_output_and_finite_gradients():
     for name in GRADS:
         assert torch.isfinite(leaves[name].grad).all(), name
     assert torch.all(leaves["q"].grad[0, :3] == 0) and torch.all(leaves["alpha"].grad[0, :3] == 0)
+
+
+def test_running_mean_scan_ignores_padding_contents():
+    # NaN in the values of padding keys, cached and new: the scan masks them with
+    # `where` (0·NaN would poison every later position), and v̄, N_t equal a plain
+    # fp64 cumulative sum over the kept keys, read at each query's position
+    B, S, extra, Hkv, D = 2, 19, 11, 2, 40
+    gen = torch.Generator().manual_seed(9)
+    v = torch.randn(B, S + extra, Hkv, D, generator=gen).to(DEVICE)
+    keep = keep_mask(B, S + extra, gen).to(DEVICE)
+    keep[1, 3:6] = False
+    keep[0, :2] = False
+    dirty = v.masked_fill(~keep.bool()[:, :, None, None], float("nan"))
+    with small_tiles():
+        vbar, count = affine._running_mean(dirty, _flash.mask_arg(keep), S)
+    kept = torch.where(keep.bool()[:, :, None, None], v, 0.0).double()
+    expected_count = keep.double().cumsum(1)[:, extra:]
+    expected = kept.cumsum(1)[:, extra:] / expected_count.clamp_min(1)[:, :, None, None]
+    torch.testing.assert_close(count.double(), expected_count, atol=0, rtol=0)
+    torch.testing.assert_close(vbar.double(), expected, atol=1e-6, rtol=1e-5)
 
 
 def test_tour_case_is_within_tolerance():

@@ -291,7 +291,8 @@ def test_opcheck_schema_and_autograd_registration():
 
 def test_static_cases_name_every_kernel_parameter_in_order():
     cases = list(static_cases())
-    assert {c.name for c in cases} == {"derf_fwd", "derf_bwd_dkdv", "derf_bwd_dq", "derf_gate_fwd", "derf_gate_bwd"}
+    assert {c.name for c in cases} == {"derf_fwd", "derf_bwd_delta", "derf_bwd_dkdv", "derf_bwd_dq", "derf_gate_fwd",
+                                       "derf_gate_bwd"}
     for case in cases:
         names = list(case.signature) + list(case.constexprs)
         assert names == list(case.kernel.arg_names), case.name
