@@ -5,32 +5,39 @@ three kernels; the attention of q over (k, V′) is the toolkit's causal flash
 attention (``_flash.py``). Autograd sums the two key gradients (the softmax's and
 the preconditioner's).
 
-Preconditioner forward ``_lucid_solve_kernel``, grid ``(B·H_kv,)``
-    Block forward substitution, sequential over block rows I of ``BLOCK`` keys:
-    ``rhs = V_I − Σ_{J<I} L_IJ V′_J`` with each tile ``L_IJ`` recomputed from k̂
-    (``tl.dot`` then exp), then the diagonal block solved in registers, one row at a
-    time (column-oriented: ``x_r = rhs_r / L_rr``, ``rhs −= L[:, r]·x_r``). k̂ is
-    recomputed from k for every tile (one row reduction); V′ is written in fp32 and
-    read back by later block rows of the same program. Memory O(BLOCK² + BLOCK·D).
-Preconditioner backward (given dV′ from the attention backward)
-    ``_lucid_dv_kernel``, grid ``(B·H_kv,)``: reverse block substitution
-    ``Lᵀ dV = dV′`` (block rows from last to first; the off-diagonal tile ``L_JI`` is
-    the same exp(Gram) tile read transposed; the diagonal block solved in registers
-    from its last row up). dV in fp32.
-    ``_lucid_dk_kernel``, grid ``(cdiv(N, BLOCK), B·H_kv)``: fully parallel. For key
+Blocked substitution with inverted diagonal blocks, BLOCK keys per block:
+``_lucid_prep_kernel``, grid ``(n_blocks, B·H_kv)``, fully parallel
+    k̂ (stored in the dtype of k: the operand of every later product) and the inverse
+    of each diagonal block L_II (fp32, ``[B·H_kv, n_blocks·BLOCK, BLOCK]``). The
+    diagonal comes from the fp32 row norms; the inverse is forward substitution on the
+    identity in registers. This is the only row-by-row loop, and it runs for all
+    blocks at once, off the sequential path.
+``_lucid_solve_kernel``, grid ``(B·H_kv, cdiv(D, BLOCK_DV))``
+    Forward: block rows in order, ``V′_I = L_II⁻¹ (V_I − Σ_{J<I} L_IJ V′_J)``; each step
+    is a short chain of GEMMs (Gram tile k̂_I k̂_Jᵀ, exp, panel product with V′_J, then
+    one product with the stored inverse). Value columns split across programs; every
+    program recomputes the Gram tiles (they need all of D). The same kernel with
+    ``TRANSPOSED`` runs the backward ``dV = L⁻ᵀ dV′`` from the last block row up (the
+    Gram tile is symmetric; the inverse is read transposed).
+``_lucid_dk_kernel``, grid ``(cdiv(N, BLOCK), B·H_kv)``: fully parallel. For key
     block I, ``dk̂_I = s·Σ_J dS_IJ k̂_J + s·Σ_J dS_JIᵀ k̂_J`` with
     ``dS = −(dV V′ᵀ) ⊙ L`` on the allowed lower triangle (J ≤ I and J ≥ I loops,
     tiles recomputed), then the RMS-norm backward ``dk = ρ(dk̂ − k̂(k̂·dk̂)/d)``.
-Saved for backward: k (raw), V′ (fp32), the keep mask. Recomputed: k̂, ρ, L tiles.
-Never materialised: any N×N matrix.
+Precision: fp32 inputs use exact ("ieee") products throughout. bf16/fp16 inputs feed
+k̂, L tiles, V′ and dV to the tensor cores in the input dtype with fp32 accumulation;
+the right-hand sides, V′ and dV stay fp32 in memory, and the product with the fp32
+inverse runs in tf32.
+Saved for backward: k (raw), V′ (fp32), the keep mask. Recomputed: k̂, ρ, the
+inverses, L tiles. Never materialised: any N×N matrix.
 
 Padding keys (keep mask 0) have a zero row and column in L and a unit diagonal;
-their k̂ is taken as 0, so they get no preconditioner gradient.
+their k̂ is taken as 0, so they get no preconditioner gradient, and their contents
+are selected away (never multiplied by 0) before any product.
 """
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 import triton
@@ -63,11 +70,18 @@ def _keep_rows(mask_ptr, b, rows, N, HAS_MASK: tl.constexpr):
 
 
 @triton.jit
+def _load_rows(base, rows, keep, cols, col_ok, row_stride):
+    """[rows, cols] tile in fp32, zero where a row is not kept: padding contents
+    (even NaN) never enter a product."""
+    m = keep[:, None] & col_ok[None, :]
+    return tl.load(base + rows[:, None] * row_stride + cols[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _khat_tile(k_base, rows, keep, row_stride, D, eps, BLOCK_D: tl.constexpr):
     """(k̂, ρ) for a tile of rows in fp32; rows not kept (padding, past N) get k̂ = 0."""
     offs_d = tl.arange(0, BLOCK_D)
-    m = keep[:, None] & (offs_d < D)[None, :]
-    k = tl.load(k_base + rows[:, None] * row_stride + offs_d[None, :], mask=m, other=0.0).to(tl.float32)
+    k = _load_rows(k_base, rows, keep, offs_d, offs_d < D, row_stride)
     rho = 1.0 / tl.sqrt(tl.reduce(k * k, 1, _sum_combine) / D + eps)
     rho = tl.where(keep, rho, 0.0)
     return k * rho[:, None], rho
@@ -75,191 +89,241 @@ def _khat_tile(k_base, rows, keep, row_stride, D, eps, BLOCK_D: tl.constexpr):
 
 @triton.jit
 def _l_tile(kh_i, kh_j, allowed, scale, shift, PRECISION: tl.constexpr):
-    """exp(s·k̂_i·k̂_j − √d) where allowed, else 0."""
+    """exp(s·k̂_i·k̂_j − √d) where allowed, else 0 (fp32; k̂ in the operand dtype)."""
     s = tl.dot(kh_i, tl.trans(kh_j), input_precision=PRECISION) * scale - shift
     return tl.where(allowed, tl.exp(s), 0.0)
 
 
 @triton.jit
-def _unit_triangular_solve(t, rhs, n_rows, BLOCK: tl.constexpr, UPPER: tl.constexpr):
-    """Solve ``t·x = rhs`` for a triangular [BLOCK, BLOCK] tile ``t`` (lower, or upper when
-    ``UPPER``) in registers, row by row over the first ``n_rows`` rows.
+def _mma(a, b, acc, PRECISION: tl.constexpr, OPERAND: tl.constexpr):
+    """acc + a·b with fp32 ``a``/``b`` rounded to the operand dtype (a no-op for fp32,
+    where PRECISION is "ieee"); fp32 accumulation."""
+    return tl.dot(a.to(OPERAND), b.to(OPERAND), acc, input_precision=PRECISION)
 
-    Rows are first scaled by the inverse diagonal, so the loop runs on a unit triangle:
-    column-oriented, ``x_r`` is final when reached and is eliminated from the remaining
-    rows (``rhs −= t[:, r]·x_r``); at the end ``rhs`` holds x."""
+
+@triton.jit
+def _unit_triangular_inverse(t, n_rows, BLOCK: tl.constexpr):
+    """Inverse of a lower-triangular [BLOCK, BLOCK] tile ``t`` in registers (fp32).
+
+    Rows are first scaled by the inverse diagonal, so the loop runs on a unit triangle
+    (column-oriented forward substitution on the identity: ``x_r`` is final when
+    reached and is eliminated from the rows below). Only the first ``n_rows`` rows
+    are eliminated; the rest of ``t`` must be the identity there."""
     offs = tl.arange(0, BLOCK)
     eye = offs[None, :] == offs[:, None]
     inv = 1.0 / tl.reduce(tl.where(eye, t, 0.0), 1, _sum_combine)
     m = tl.where(eye, 0.0, t * inv[:, None])
-    rhs = rhs * inv[:, None]
-    for it in range(0, n_rows):
-        if UPPER:
-            r = n_rows - 1 - it
-        else:
-            r = it
+    x = tl.where(eye, inv[:, None], 0.0)
+    for r in range(0, n_rows):
         sel = offs == r
         col = tl.reduce(tl.where(sel[None, :], m, 0.0), 1, _sum_combine)  # column r of the unit triangle
-        x_r = tl.reduce(tl.where(sel[:, None], rhs, 0.0), 0, _sum_combine)  # final x_r
-        rhs -= col[:, None] * x_r[None, :]
-    return rhs
+        x_r = tl.reduce(tl.where(sel[:, None], x, 0.0), 0, _sum_combine)  # final row r of the inverse
+        x -= col[:, None] * x_r[None, :]
+    return x
 
 
 @triton.jit
-def _lucid_solve_kernel(k_ptr, v_ptr, mask_ptr, vp_ptr, N, HKV, D, eps, scale, shift,
-                        HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr,
-                        BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    b = (pid // HKV).to(tl.int64)
-    kvh = pid % HKV
-    row_stride = HKV * D
-    base = (b * N * HKV + kvh) * D
-    k_base = k_ptr + base
-    v_base = v_ptr + base
-    vp_base = vp_ptr + base
-    offs = tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    for start in range(0, N, BLOCK):
-        rows = start + offs
-        keep_i = _keep_rows(mask_ptr, b, rows, N, HAS_MASK)
-        kh_i, _ = _khat_tile(k_base, rows, keep_i, row_stride, D, eps, BLOCK_D)
-        io = rows[:, None] * row_stride + offs_d[None, :]
-        io_mask = (rows < N)[:, None] & d_ok[None, :]
-        rhs = tl.load(v_base + io, mask=io_mask, other=0.0).to(tl.float32)
-        # rhs = V_I − Σ_{J<I} L_IJ V′_J  (every column of an earlier block is below the diagonal)
-        for start_j in range(0, start, BLOCK):
-            cols = start_j + offs
-            keep_j = _keep_rows(mask_ptr, b, cols, N, HAS_MASK)
-            kh_j, _ = _khat_tile(k_base, cols, keep_j, row_stride, D, eps, BLOCK_D)
-            l_ij = _l_tile(kh_i, kh_j, keep_i[:, None] & keep_j[None, :], scale, shift, PRECISION)
-            vp_j = tl.load(vp_base + cols[:, None] * row_stride + offs_d[None, :],
-                           mask=(cols < N)[:, None] & d_ok[None, :], other=0.0)
-            rhs -= tl.dot(l_ij, vp_j, input_precision=PRECISION)
-        # diagonal block L_II = Λ(I + M), M strictly lower: solve (I + M) x = Λ⁻¹ rhs in registers
-        eye = offs[None, :] == offs[:, None]
-        l_ii = _l_tile(kh_i, kh_i, (offs[None, :] < offs[:, None]) | eye, scale, shift, PRECISION)
-        # padding keys and rows past N: unit diagonal, nothing off the diagonal
-        l_ii = tl.where(keep_i[:, None] & keep_i[None, :], l_ii, tl.where(eye, 1.0, 0.0))
-        if UNIT_DIAG:
-            l_ii = tl.where(eye, 1.0, l_ii)
-        x = _unit_triangular_solve(l_ii, rhs, tl.minimum(BLOCK, N - start), BLOCK, False)
-        tl.store(vp_base + io, x, mask=io_mask)
-        tl.debug_barrier()  # later block rows of this program read these V′ rows
-
-
-@triton.jit
-def _lucid_dv_kernel(k_ptr, mask_ptr, dvp_ptr, dv_ptr, N, HKV, D, eps, scale, shift,
-                     HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    pid = tl.program_id(0)
-    b = (pid // HKV).to(tl.int64)
-    kvh = pid % HKV
-    row_stride = HKV * D
-    base = (b * N * HKV + kvh) * D
-    k_base = k_ptr + base
-    dv_base = dv_ptr + base
-    offs = tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    n_blocks = tl.cdiv(N, BLOCK)
-    for it in range(0, n_blocks):
-        start = (n_blocks - 1 - it) * BLOCK
-        rows = start + offs
-        keep_i = _keep_rows(mask_ptr, b, rows, N, HAS_MASK)
-        kh_i, _ = _khat_tile(k_base, rows, keep_i, row_stride, D, eps, BLOCK_D)
-        io = rows[:, None] * row_stride + offs_d[None, :]
-        io_mask = (rows < N)[:, None] & d_ok[None, :]
-        rhs = tl.load(dvp_ptr + base + io, mask=io_mask, other=0.0).to(tl.float32)
-        # rhs = dV′_I − Σ_{J>I} L_JIᵀ dV_J ; the Gram tile is symmetric, so [I, J] of exp(S) is L_JIᵀ
-        for start_j in range(start + BLOCK, N, BLOCK):
-            cols = start_j + offs
-            keep_j = _keep_rows(mask_ptr, b, cols, N, HAS_MASK)
-            kh_j, _ = _khat_tile(k_base, cols, keep_j, row_stride, D, eps, BLOCK_D)
-            l_ji_t = _l_tile(kh_i, kh_j, keep_i[:, None] & keep_j[None, :], scale, shift, PRECISION)
-            dv_j = tl.load(dv_base + cols[:, None] * row_stride + offs_d[None, :],
-                           mask=(cols < N)[:, None] & d_ok[None, :], other=0.0)
-            rhs -= tl.dot(l_ji_t, dv_j, input_precision=PRECISION)
-        # diagonal block L_IIᵀ (upper), held as lt[a, c] = L[c, a]; solved in registers
-        eye = offs[None, :] == offs[:, None]
-        lt = _l_tile(kh_i, kh_i, (offs[None, :] > offs[:, None]) | eye, scale, shift, PRECISION)
-        lt = tl.where(keep_i[:, None] & keep_i[None, :], lt, tl.where(eye, 1.0, 0.0))
-        if UNIT_DIAG:
-            lt = tl.where(eye, 1.0, lt)
-        x = _unit_triangular_solve(lt, rhs, tl.minimum(BLOCK, N - start), BLOCK, True)
-        tl.store(dv_base + io, x, mask=io_mask)
-        tl.debug_barrier()  # earlier block rows of this program read these dV rows
-
-
-@triton.jit
-def _lucid_dk_kernel(k_ptr, mask_ptr, vp_ptr, dv_ptr, dk_ptr, N, HKV, D, eps, scale, shift,
-                     HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+def _lucid_prep_kernel(k_ptr, mask_ptr, kh_ptr, linv_ptr, N, HKV, D, eps, scale, shift,
+                       HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr,
+                       BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Per key block I, in parallel: k̂_I (stored in the dtype of k) and L_II⁻¹ (fp32)."""
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)
     b = (pid // HKV).to(tl.int64)
     kvh = pid % HKV
     row_stride = HKV * D
     base = (b * N * HKV + kvh) * D
-    k_base = k_ptr + base
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    start = pid_n * BLOCK
+    rows = start + offs
+    keep = _keep_rows(mask_ptr, b, rows, N, HAS_MASK)
+    kh, _ = _khat_tile(k_ptr + base, rows, keep, row_stride, D, eps, BLOCK_D)
+    # the diagonal from the fp32 row norms (exact, whatever the product precision);
+    # padding keys and rows past N: unit diagonal, nothing off the diagonal
+    if UNIT_DIAG:
+        diag = tl.full((BLOCK,), 1.0, tl.float32)
+    else:
+        diag = tl.exp(tl.reduce(kh * kh, 1, _sum_combine) * scale - shift)
+    diag = tl.where(keep, diag, 1.0)
+    tl.store(kh_ptr + base + rows[:, None] * row_stride + offs_d[None, :], kh.to(kh_ptr.dtype.element_ty),
+             mask=(rows < N)[:, None] & (offs_d < D)[None, :])
+    eye = offs[None, :] == offs[:, None]
+    l_ii = _l_tile(kh, kh, (offs[None, :] < offs[:, None]) & keep[:, None] & keep[None, :], scale, shift, PRECISION)
+    l_ii = tl.where(eye, diag[:, None], l_ii)
+    x = _unit_triangular_inverse(l_ii, tl.minimum(BLOCK, N - start), BLOCK)
+    linv = linv_ptr + (pid.to(tl.int64) * tl.num_programs(0) + pid_n) * BLOCK * BLOCK
+    tl.store(linv + offs[:, None] * BLOCK + offs[None, :], x)
+
+
+@triton.jit
+def _lucid_solve_kernel(kh_ptr, v_ptr, mask_ptr, linv_ptr, vp_ptr, N, HKV, D, scale, shift,
+                        HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Block substitution for one (batch·kv head, value-column tile), BLOCK keys per step.
+
+    Forward (``TRANSPOSED=False``, V′ = L⁻¹V), block rows first to last:
+        V′_I = L_II⁻¹ (V_I − Σ_{J<I} L_IJ V′_J)
+    Backward (``TRANSPOSED=True``, dV = L⁻ᵀdV′), block rows last to first:
+        dV_I = L_II⁻ᵀ (dV′_I − Σ_{J>I} L_JIᵀ dV_J)
+    ``v_ptr`` is the right-hand side, ``vp_ptr`` the solution (fp32). The Gram tile
+    exp(S)[I, J] is symmetric, so [I, J] of it is L_IJ below the diagonal and L_JIᵀ
+    above: both directions use the same product. Each step is a short chain of GEMMs."""
+    pid = tl.program_id(0)
+    b = (pid // HKV).to(tl.int64)
+    kvh = pid % HKV
+    row_stride = HKV * D
+    base = (b * N * HKV + kvh) * D
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_v = tl.program_id(1) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    v_ok = offs_v < D
+    operand = kh_ptr.dtype.element_ty
+    n_blocks = tl.cdiv(N, BLOCK)
+    for it in range(0, n_blocks):
+        if TRANSPOSED:
+            blk = n_blocks - 1 - it
+        else:
+            blk = it
+        rows = blk * BLOCK + offs
+        keep_i = _keep_rows(mask_ptr, b, rows, N, HAS_MASK)
+        kh_i = tl.load(kh_ptr + base + rows[:, None] * row_stride + offs_d[None, :],
+                       mask=(rows < N)[:, None] & d_ok[None, :], other=0.0)
+        acc = tl.zeros((BLOCK, BLOCK_DV), dtype=tl.float32)
+        if TRANSPOSED:
+            lo = (blk + 1) * BLOCK
+            hi = N
+        else:
+            lo = 0
+            hi = blk * BLOCK
+        for start_j in range(lo, hi, BLOCK):
+            cols = start_j + offs
+            keep_j = _keep_rows(mask_ptr, b, cols, N, HAS_MASK)
+            kh_j = tl.load(kh_ptr + base + cols[:, None] * row_stride + offs_d[None, :],
+                           mask=(cols < N)[:, None] & d_ok[None, :], other=0.0)
+            l_ij = _l_tile(kh_i, kh_j, keep_i[:, None] & keep_j[None, :], scale, shift, PRECISION)
+            x_j = _load_rows(vp_ptr + base, cols, keep_j, offs_v, v_ok, row_stride)
+            acc = _mma(l_ij, x_j, acc, PRECISION, operand)
+        # the diagonal block through its inverse (the identity on padding rows, whose
+        # right-hand side is kept out of the product and passed through)
+        io = rows[:, None] * row_stride + offs_v[None, :]
+        io_mask = (rows < N)[:, None] & v_ok[None, :]
+        raw = tl.load(v_ptr + base + io, mask=io_mask, other=0.0).to(tl.float32)  # after the loop: fewer live registers
+        blk_inv = linv_ptr + (pid.to(tl.int64) * n_blocks + blk) * BLOCK * BLOCK
+        if TRANSPOSED:
+            inv = tl.load(blk_inv + offs[None, :] * BLOCK + offs[:, None])
+        else:
+            inv = tl.load(blk_inv + offs[:, None] * BLOCK + offs[None, :])
+        rhs = tl.where(keep_i[:, None], raw - acc, 0.0)
+        x = tl.where(keep_i[:, None], tl.dot(inv, rhs, input_precision=PRECISION), raw)
+        tl.store(vp_ptr + base + io, x, mask=io_mask)
+        tl.debug_barrier()  # the next block rows of this program read these rows
+
+
+@triton.jit
+def _load_block(base, row0, keep, N, D, row_stride, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows [row0, row0 + BLOCK) of a [N, D] row-major view through a block pointer,
+    zero where a row is not kept (a select: padding NaN never enters a product)."""
+    # a block pointer rather than a [BLOCK, BLOCK_D] tile of 64-bit addresses: at D = 128
+    # those would not fit the register file next to the dk̂ kernel's accumulator
+    ptr = tl.make_block_ptr(base, (N, D), (row_stride, 1), (row0, 0), (BLOCK, BLOCK_D), (1, 0))
+    x = tl.load(ptr, boundary_check=(0, 1), padding_option="zero")
+    return tl.where(keep[:, None], x, tl.zeros_like(x))
+
+
+@triton.jit
+def _dk_panel(acc, kh_i, a_i, rows, keep_i, start_j, kh_ptr, b_ptr, mask_ptr, b, base, N, row_stride, D, scale, shift,
+              HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, LOWER: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """acc − (a_I b_Jᵀ ⊙ L) k̂_J over the allowed part of the key-block pair (I, J), J
+    of BLOCK_N keys: with ``LOWER`` the pairs j ≤ i (a = dV, b = V′), else j ≥ i
+    (a = V′, b = dV, the Gram tile read as L_JIᵀ)."""
+    operand = kh_ptr.dtype.element_ty
+    cols = start_j + tl.arange(0, BLOCK_N)
+    keep_j = _keep_rows(mask_ptr, b, cols, N, HAS_MASK)
+    kh_j = _load_block(kh_ptr + base, start_j, keep_j, N, D, row_stride, BLOCK_N, BLOCK_D)
+    if LOWER:
+        allowed = cols[None, :] <= rows[:, None]
+    else:
+        allowed = cols[None, :] >= rows[:, None]
+    allowed = allowed & keep_i[:, None] & keep_j[None, :]
+    if UNIT_DIAG:  # a constant diagonal has no gradient
+        allowed = allowed & (cols[None, :] != rows[:, None])
+    l_t = _l_tile(kh_i, kh_j, allowed, scale, shift, PRECISION)
+    b_j = _load_block(b_ptr + base, start_j, keep_j, N, D, row_stride, BLOCK_N, BLOCK_D).to(operand)
+    ds = tl.dot(a_i, tl.trans(b_j), input_precision=PRECISION) * l_t
+    return _mma(-ds, kh_j, acc, PRECISION, operand)
+
+
+@triton.jit
+def _lucid_dk_kernel(k_ptr, kh_ptr, mask_ptr, vp_ptr, dv_ptr, dk_ptr, N, HKV, D, eps, scale, shift,
+                     HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """dk for key block I (BLOCK rows), over key blocks J of BLOCK_N (BLOCK a multiple)."""
+    pid_n = tl.program_id(0)
+    pid = tl.program_id(1)
+    b = (pid // HKV).to(tl.int64)
+    kvh = pid % HKV
+    row_stride = HKV * D
+    base = (b * N * HKV + kvh) * D
     offs = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
+    operand = kh_ptr.dtype.element_ty
     start = pid_n * BLOCK
     rows = start + offs
     keep_i = _keep_rows(mask_ptr, b, rows, N, HAS_MASK)
-    kh_i, rho_i = _khat_tile(k_base, rows, keep_i, row_stride, D, eps, BLOCK_D)
-    io = rows[:, None] * row_stride + offs_d[None, :]
-    io_mask = (rows < N)[:, None] & d_ok[None, :]
-    vp_i = tl.load(vp_ptr + base + io, mask=io_mask, other=0.0)
-    dv_i = tl.load(dv_ptr + base + io, mask=io_mask, other=0.0)
+    kh_i = _load_block(kh_ptr + base, start, keep_i, N, D, row_stride, BLOCK, BLOCK_D)
     acc = tl.zeros((BLOCK, BLOCK_D), dtype=tl.float32)
-    # I as the row: dS_IJ = −(dV_I V′_Jᵀ) ⊙ L_IJ for j ≤ i
-    for start_j in range(0, start + BLOCK, BLOCK):
-        cols = start_j + offs
-        keep_j = _keep_rows(mask_ptr, b, cols, N, HAS_MASK)
-        kh_j, _ = _khat_tile(k_base, cols, keep_j, row_stride, D, eps, BLOCK_D)
-        allowed = (cols[None, :] <= rows[:, None]) & keep_i[:, None] & keep_j[None, :]
-        if UNIT_DIAG:  # a constant diagonal has no gradient
-            allowed = allowed & (cols[None, :] != rows[:, None])
-        l_ij = _l_tile(kh_i, kh_j, allowed, scale, shift, PRECISION)
-        vp_j = tl.load(vp_ptr + base + cols[:, None] * row_stride + offs_d[None, :],
-                       mask=(cols < N)[:, None] & d_ok[None, :], other=0.0)
-        ds = -tl.dot(dv_i, tl.trans(vp_j), input_precision=PRECISION) * l_ij
-        acc += tl.dot(ds, kh_j, input_precision=PRECISION)
-    # I as the column: dS_JIᵀ = −(V′_I dV_Jᵀ) ⊙ L_JIᵀ for j ≥ i (the diagonal counts twice)
-    for start_j in range(start, N, BLOCK):
-        cols = start_j + offs
-        keep_j = _keep_rows(mask_ptr, b, cols, N, HAS_MASK)
-        kh_j, _ = _khat_tile(k_base, cols, keep_j, row_stride, D, eps, BLOCK_D)
-        allowed = (cols[None, :] >= rows[:, None]) & keep_i[:, None] & keep_j[None, :]
-        if UNIT_DIAG:
-            allowed = allowed & (cols[None, :] != rows[:, None])
-        l_ji_t = _l_tile(kh_i, kh_j, allowed, scale, shift, PRECISION)
-        dv_j = tl.load(dv_ptr + base + cols[:, None] * row_stride + offs_d[None, :],
-                       mask=(cols < N)[:, None] & d_ok[None, :], other=0.0)
-        ds_t = -tl.dot(vp_i, tl.trans(dv_j), input_precision=PRECISION) * l_ji_t
-        acc += tl.dot(ds_t, kh_j, input_precision=PRECISION)
+    # dk̂_I = s·Σ_J dS_IJ k̂_J + s·Σ_J dS_JIᵀ k̂_J with dS = −(dV V′ᵀ) ⊙ L; the diagonal
+    # block is in both sums (S_ii is quadratic in k̂_i). One of dV_I, V′_I is live per loop.
+    dv_i = _load_block(dv_ptr + base, start, keep_i, N, D, row_stride, BLOCK, BLOCK_D).to(operand)
+    for start_j in range(0, start + BLOCK, BLOCK_N):
+        acc = _dk_panel(acc, kh_i, dv_i, rows, keep_i, start_j, kh_ptr, vp_ptr, mask_ptr, b, base, N, row_stride, D,
+                        scale, shift, HAS_MASK, UNIT_DIAG, True, BLOCK_N, BLOCK_D, PRECISION)
+    vp_i = _load_block(vp_ptr + base, start, keep_i, N, D, row_stride, BLOCK, BLOCK_D).to(operand)
+    for start_j in range(start, N, BLOCK_N):
+        acc = _dk_panel(acc, kh_i, vp_i, rows, keep_i, start_j, kh_ptr, dv_ptr, mask_ptr, b, base, N, row_stride, D,
+                        scale, shift, HAS_MASK, UNIT_DIAG, False, BLOCK_N, BLOCK_D, PRECISION)
     dkh = acc * scale
+    kh32_i, rho_i = _khat_tile(k_ptr + base, rows, keep_i, row_stride, D, eps, BLOCK_D)  # fp32, after the loops
     # RMS-norm backward: dk = ρ·(dk̂ − k̂·(k̂·dk̂)/d)
-    dk = rho_i[:, None] * (dkh - kh_i * (tl.reduce(kh_i * dkh, 1, _sum_combine) / D)[:, None])
-    tl.store(dk_ptr + base + io, dk.to(dk_ptr.dtype.element_ty), mask=io_mask)
+    dk = rho_i[:, None] * (dkh - kh32_i * (tl.reduce(kh32_i * dkh, 1, _sum_combine) / D)[:, None])
+    tl.store(dk_ptr + base + rows[:, None] * row_stride + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
+             mask=(rows < N)[:, None] & d_ok[None, :])
 
 
 # ----------------------------------------------------------------------------
 # Tiles
 # ----------------------------------------------------------------------------
 
-# (BLOCK, num_warps) per padded head dim, for fp32 (exact "ieee" products on CUDA
-# cores) and for bf16/fp16 (tensor cores), sized for sm_90 without spills (see
-# ``python -m laminae.triton_ops._static lucid_attention``). Head dims above the
-# largest key have no spill-free tile and are rejected.
-# The tiles were sized at 2 pipeline stages; at Triton's default 3 the fp32 solve at
-# D = 16 and the bf16/fp16 dV kernel at D = 32 spill on sm_90 (static check).
+
+class Tiles(NamedTuple):
+    """Launch shape for one head dim and dtype family."""
+
+    block: int  # keys per block row: the diagonal blocks and every GEMM's M and K
+    block_dv: int  # value columns per substitution program (the D split)
+    warps: int  # prep and substitution kernels
+    dk_warps: int  # the dk̂ kernel (it holds a [block, D] accumulator and three operand tiles)
+    dk_block_n: int  # keys per J tile of the dk̂ kernel (divides dk_block)
+    dk_block: int = 0  # keys per I tile of the dk̂ kernel (0: block)
+
+    @property
+    def dk_rows(self) -> int:
+        return self.dk_block or self.block
+
+
+# Per padded head dim, for fp32 (exact "ieee" products on CUDA cores) and for bf16/fp16
+# (16-bit operands on the tensor cores, fp32 accumulation), sized for sm_90 without
+# spills at NUM_STAGES (``python -m laminae.triton_ops._static lucid_attention``). 64-key
+# blocks with 4-warp warpgroups give wgmma its M = 64 tiles. Head dims above the largest
+# key have no spill-free tile and are rejected.
 NUM_STAGES = 2
-_TILES: dict[str, dict[int, tuple[int, int]]] = {
-    "fp32": {16: (32, 4), 32: (32, 8), 64: (16, 8)},
-    "low": {16: (64, 4), 32: (64, 4), 64: (32, 8), 128: (16, 8)},
+_TILES: dict[str, dict[int, Tiles]] = {
+    "fp32": {16: Tiles(32, 16, 4, 4, 32), 32: Tiles(32, 32, 4, 8, 32), 64: Tiles(16, 32, 4, 8, 16)},
+    "low": {16: Tiles(64, 16, 4, 4, 64), 32: Tiles(64, 32, 4, 4, 64), 64: Tiles(64, 64, 8, 8, 64),
+            128: Tiles(64, 64, 8, 8, 16, 16)},
 }
 
 
@@ -275,9 +339,9 @@ def max_head_dim(dtype: torch.dtype) -> int:
     return max(_TILES[_family(dtype)])
 
 
-def tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK, num_warps) for ``head_dim`` and ``dtype`` (tests monkeypatch this to
-    force small blocks)."""
+def tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
+    """Launch shape for ``head_dim`` and ``dtype`` (tests monkeypatch this to force
+    small blocks)."""
     return _TILES[_family(dtype)][block_d(head_dim)]
 
 
@@ -294,20 +358,46 @@ def _scalars(head_dim: int) -> tuple[float, float]:
     return 1.0 / math.sqrt(head_dim), math.sqrt(head_dim)
 
 
+def _prepare(k: torch.Tensor, key_mask: torch.Tensor | None, eps: float, unit_diagonal: bool,
+             t: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k̂ ``[B, N, H_kv, D]`` in the dtype of k, L_II⁻¹ ``[B·H_kv, n_blocks·block, block]``
+    fp32): every diagonal block inverted at once, off the sequential path."""
+    B, N, HKV, D = k.shape
+    n_blocks = triton.cdiv(N, t.block)
+    scale, shift = _scalars(D)
+    kh = empty(k.shape, dtype=k.dtype, device=k.device)
+    linv = empty((B * HKV, n_blocks * t.block, t.block), dtype=torch.float32, device=k.device)
+    wrap_triton(_lucid_prep_kernel)[(n_blocks, B * HKV)](
+        k, key_mask, kh, linv, N, HKV, D, eps, scale, shift,
+        HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=t.block, BLOCK_D=block_d(D),
+        PRECISION=dot_precision(k.dtype), num_warps=t.warps, num_stages=NUM_STAGES,
+    )
+    return kh, linv
+
+
+def _substitute(kh: torch.Tensor, rhs: torch.Tensor, key_mask: torch.Tensor | None, linv: torch.Tensor,
+                t: Tiles, transposed: bool) -> torch.Tensor:
+    """L⁻¹·rhs (or L⁻ᵀ·rhs) in fp32, one program per (batch·kv head, value-column tile)."""
+    B, N, HKV, D = kh.shape
+    scale, shift = _scalars(D)
+    bd = block_d(D)
+    dv = min(t.block_dv, bd)
+    out = empty((B, N, HKV, D), dtype=torch.float32, device=kh.device)
+    wrap_triton(_lucid_solve_kernel)[(B * HKV, triton.cdiv(D, dv))](
+        kh, rhs, key_mask, linv, out, N, HKV, D, scale, shift,
+        HAS_MASK=key_mask is not None, BLOCK=t.block, BLOCK_D=bd, BLOCK_DV=dv,
+        PRECISION=dot_precision(kh.dtype), TRANSPOSED=transposed, num_warps=t.warps, num_stages=NUM_STAGES,
+    )
+    return out
+
+
 @triton_op("laminae::lucid_precondition", mutates_args=())
 def _lucid_precondition_op(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                            eps: float, unit_diagonal: bool) -> torch.Tensor:
     """V′ = L⁻¹V ``[B, N, H_kv, D]`` in fp32 (k, v contiguous, key_mask int8 or None)."""
-    B, N, HKV, D = k.shape
-    block, warps = tiles(D, k.dtype)
-    scale, shift = _scalars(D)
-    vp = empty((B, N, HKV, D), dtype=torch.float32, device=k.device)
-    wrap_triton(_lucid_solve_kernel)[(B * HKV,)](
-        k, v, key_mask, vp, N, HKV, D, eps, scale, shift,
-        HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=block, BLOCK_D=block_d(D),
-        PRECISION=dot_precision(k.dtype), num_warps=warps, num_stages=NUM_STAGES,
-    )
-    return vp
+    t = tiles(k.shape[-1], k.dtype)
+    kh, linv = _prepare(k, key_mask, eps, unit_diagonal, t)
+    return _substitute(kh, v, key_mask, linv, t, transposed=False)
 
 
 @triton_op("laminae::lucid_precondition_bwd", mutates_args=())
@@ -316,15 +406,16 @@ def _lucid_precondition_bwd_op(dvp: torch.Tensor, k: torch.Tensor, vp: torch.Ten
                                unit_diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) of the preconditioner: dv = L⁻ᵀ dV′ in fp32, dk in the dtype of k."""
     B, N, HKV, D = k.shape
-    block, warps = tiles(D, k.dtype)
+    t = tiles(D, k.dtype)
     scale, shift = _scalars(D)
-    dv = empty((B, N, HKV, D), dtype=torch.float32, device=k.device)
+    kh, linv = _prepare(k, key_mask, eps, unit_diagonal, t)  # recomputed: cheaper than saving
+    dv = _substitute(kh, dvp, key_mask, linv, t, transposed=True)
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
-    common = dict(HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=block, BLOCK_D=block_d(D),
-                  PRECISION=dot_precision(k.dtype), num_warps=warps, num_stages=NUM_STAGES)
-    wrap_triton(_lucid_dv_kernel)[(B * HKV,)](k, key_mask, dvp, dv, N, HKV, D, eps, scale, shift, **common)
-    wrap_triton(_lucid_dk_kernel)[(triton.cdiv(N, block), B * HKV)](
-        k, key_mask, vp, dv, dk, N, HKV, D, eps, scale, shift, **common)
+    wrap_triton(_lucid_dk_kernel)[(triton.cdiv(N, t.dk_rows), B * HKV)](
+        k, kh, key_mask, vp, dv, dk, N, HKV, D, eps, scale, shift,
+        HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=t.dk_rows, BLOCK_N=t.dk_block_n,
+        BLOCK_D=block_d(D), PRECISION=dot_precision(k.dtype), num_warps=t.dk_warps, num_stages=NUM_STAGES,
+    )
     return dk, dv
 
 
@@ -409,20 +500,32 @@ def static_cases() -> Iterator[StaticCase]:
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
         precision = "ieee" if dt == "fp32" else "tf32"
-        scalars = dict(N="i32", HKV="i32", D="i32", eps="fp32", scale="fp32", shift="fp32")
-        for bd, (block, warps) in _TILES["fp32" if dt == "fp32" else "low"].items():
-            for has_mask, unit in ((True, False), (False, False), (True, True), (False, True)):
-                const = dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=block, BLOCK_D=bd, PRECISION=precision)
-                tags = {"dtype": dt}
-                yield StaticCase("lucid_solve", _lucid_solve_kernel,
-                                 dict(k_ptr=p, v_ptr=p, mask_ptr="*i8", vp_ptr="*fp32") | scalars,
-                                 const, warps, NUM_STAGES, tags=tags)
-                yield StaticCase("lucid_bwd_dv", _lucid_dv_kernel,
-                                 dict(k_ptr=p, mask_ptr="*i8", dvp_ptr="*fp32", dv_ptr="*fp32") | scalars,
-                                 const, warps, NUM_STAGES, tags=tags)
-                yield StaticCase("lucid_bwd_dk", _lucid_dk_kernel,
-                                 dict(k_ptr=p, mask_ptr="*i8", vp_ptr="*fp32", dv_ptr="*fp32", dk_ptr=p) | scalars,
-                                 const, warps, NUM_STAGES, tags=tags)
+        tags = {"dtype": dt}
+        scalars = dict(N="i32", HKV="i32", D="i32")
+        consts = dict(scale="fp32", shift="fp32")
+        for bd, t in _TILES["fp32" if dt == "fp32" else "low"].items():
+            # wgmma where the kernel is matmul-shaped: 16-bit operands at head_dim 64/128
+            expect = "HGMMA" if dt != "fp32" and bd >= 64 else ""
+            shape = dict(BLOCK=t.block, BLOCK_D=bd)
+            for has_mask in (True, False):
+                for unit in (False, True):
+                    const = dict(HAS_MASK=has_mask, UNIT_DIAG=unit) | shape | dict(PRECISION=precision)
+                    yield StaticCase("lucid_prep", _lucid_prep_kernel,
+                                     dict(k_ptr=p, mask_ptr="*i8", kh_ptr=p, linv_ptr="*fp32") | scalars
+                                     | dict(eps="fp32") | consts, const, t.warps, NUM_STAGES, tags=tags)
+                    yield StaticCase("lucid_bwd_dk", _lucid_dk_kernel,
+                                     dict(k_ptr=p, kh_ptr=p, mask_ptr="*i8", vp_ptr="*fp32", dv_ptr="*fp32",
+                                          dk_ptr=p) | scalars | dict(eps="fp32") | consts,
+                                     dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=t.dk_rows, BLOCK_N=t.dk_block_n,
+                                          BLOCK_D=bd, PRECISION=precision), t.dk_warps, NUM_STAGES, tags=tags,
+                                     expect=expect if t.dk_rows >= 64 else "")
+                for transposed in (False, True):
+                    const = dict(HAS_MASK=has_mask) | shape | dict(BLOCK_DV=min(t.block_dv, bd), PRECISION=precision,
+                                                                   TRANSPOSED=transposed)
+                    yield StaticCase("lucid_bwd_dv" if transposed else "lucid_solve", _lucid_solve_kernel,
+                                     dict(kh_ptr=p, v_ptr="*fp32" if transposed else p, mask_ptr="*i8",
+                                          linv_ptr="*fp32", vp_ptr="*fp32") | scalars | consts,
+                                     const, t.warps, NUM_STAGES, tags=tags, expect=expect)
 
 
 def tour_case(device: torch.device):
