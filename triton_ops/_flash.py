@@ -420,13 +420,21 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-# The window mask costs a few registers; fp32 at BLOCK_D = 256 has no spill-free dk/dv
-# tile with it, so a window supports head_dim ≤ 128.
+# The window mask costs registers; fp32 at BLOCK_D = 256 has no spill-free dk/dv tile
+# with it, so a window supports head_dim ≤ 128.
 WINDOW_MAX_HEAD_DIM = 128
 
 
 def window_tiles(t: FlashTiles, bd: int, fp32: bool) -> FlashTiles:
-    """The tiles of a windowed launch (``t``: the plain tiles at padded head dim ``bd``)."""
+    """The tiles of a windowed launch (``t``: the plain tiles at padded head dim ``bd``):
+    16-bit 128-key dk/dv tiles at 128 halve to 64 keys, and 4-warp forward/dq tiles
+    at 64 take 8 warps (half the accumulator per thread), to stay spill-free."""
+    if fp32:
+        return t
+    if bd == 128 and t.dkdv_n == 128:
+        t = dataclasses.replace(t, dkdv_n=64)
+    if bd == 64 and t.fwd_warps == 4:
+        t = dataclasses.replace(t, fwd_warps=8, dq_warps=8)
     return t
 
 

