@@ -80,9 +80,10 @@ class StaticCase:
     ``expect`` names the tensor-core instruction kind the SASS must contain ("HGMMA"
     for a 16-bit matmul-shaped kernel built for Hopper's wgmma; "" checks nothing):
     the static check fails a configuration that silently fell back to mma.sync.
-    ``aligned`` names the arguments the launch specialises as multiples of 16, as
-    Triton does for a 16-byte-aligned pointer or an int divisible by 16 (a launcher
-    that picks this configuration only for such arguments lists them here).
+    ``divisible`` names arguments compiled as multiples of 16 (bytes for pointers),
+    as Triton's launcher specializes them at run time: pointers to 16-byte-aligned
+    tensors (every fresh torch allocation) and integers such as a head dim of 64 or
+    128. List only what every launch of the configuration guarantees.
     """
 
     name: str
@@ -93,7 +94,7 @@ class StaticCase:
     num_stages: int = 3
     tags: dict[str, Any] = field(default_factory=dict)
     expect: str = ""
-    aligned: tuple[str, ...] = ()
+    divisible: tuple[str, ...] = ()
 
     @property
     def label(self) -> str:

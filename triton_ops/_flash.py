@@ -45,7 +45,7 @@ from torch.library import triton_op, wrap_triton
 
 from laminae.primitives._errors import ConfigError, DTypeError, ShapeError
 
-from ._common import StaticCase, dot_precision, empty
+from ._common import INTERPRET_AT_IMPORT, StaticCase, dot_precision, empty
 
 __all__ = [
     "FlashTiles",
@@ -53,6 +53,7 @@ __all__ = [
     "tiles",
     "flash_forward",
     "flash_backward",
+    "flash_delta",
     "flash_attention",
     "flash_attention_reference",
     "static_cases",
@@ -68,6 +69,12 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
+def _kept(cols, N, mask_ptr, b):
+    """[BLOCK_N] bool: key col j is in range and kept by the (B, N) int8 keep mask."""
+    return tl.load(mask_ptr + b * N + cols, mask=cols < N, other=0) != 0
+
+
+@triton.jit
 def _visible(rows, cols, S, N, mask_ptr, b, HAS_MASK: tl.constexpr, WINDOW, HAS_WINDOW: tl.constexpr):
     """[BLOCK_M, BLOCK_N] bool: query row i sees key col j (causal, in range, kept,
     within WINDOW positions when HAS_WINDOW)."""
@@ -75,16 +82,88 @@ def _visible(rows, cols, S, N, mask_ptr, b, HAS_MASK: tl.constexpr, WINDOW, HAS_
     if HAS_WINDOW:
         vis = vis & ((N - S + rows)[:, None] - cols[None, :] < WINDOW)
     if HAS_MASK:
-        keep = tl.load(mask_ptr + b * N + cols, mask=cols < N, other=0)
-        vis = vis & (keep != 0)[None, :]
+        keep = _kept(cols, N, mask_ptr, b)
+        vis = vis & keep[None, :]
     return vis
 
 
 @triton.jit
-def _window_first_key(first_query_pos, WINDOW, BLOCK_N: tl.constexpr):
-    """First key block any query at or after ``first_query_pos`` can see in its window."""
-    lo = tl.maximum(first_query_pos - WINDOW + 1, 0)
-    return (lo // BLOCK_N) * BLOCK_N
+def _key_blocks(pid_m, S, N, WINDOW, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(lo, full_lo, full_hi, hi)``: the key blocks query tile ``pid_m`` reads, split so
+    that every row of the tile sees every key of ``[full_lo, full_hi)`` (no causal,
+    window or bounds test there); ``[lo, full_lo)`` are window-edge blocks and
+    ``[full_hi, hi)`` the diagonal blocks, both masked. All but ``hi`` are multiples
+    of BLOCK_N, so the three ranges tile ``[lo, hi)`` exactly."""
+    first = N - S + pid_m * BLOCK_M                              # position of the tile's first query
+    last = N - S + tl.minimum((pid_m + 1) * BLOCK_M, S) - 1      # and of its last real one
+    hi = tl.minimum(N, last + 1)                                 # later keys are never visible
+    full_hi = (first + 1) // BLOCK_N * BLOCK_N                   # blocks wholly at or before `first`
+    lo = full_hi * 0
+    full_lo = lo
+    if HAS_WINDOW:
+        lo = tl.maximum(first - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        full_lo = tl.cdiv(tl.maximum(last - WINDOW + 1, 0), BLOCK_N) * BLOCK_N  # inside `last`'s window
+        full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _query_blocks(pid_n, S, N, WINDOW, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(lo, full_lo, full_hi, hi)``: the query blocks that see key tile ``pid_n``,
+    split like :func:`_key_blocks`: every row of ``[full_lo, full_hi)`` is real and
+    sees every key of the tile; ``[lo, full_lo)`` (diagonal) and ``[full_hi, hi)``
+    (window edge, ragged tail) are masked."""
+    first = pid_n * BLOCK_N                                      # the tile's first key
+    last = tl.minimum((pid_n + 1) * BLOCK_N, N) - 1              # and its last real one
+    lo = tl.maximum(first - (N - S), 0) // BLOCK_M * BLOCK_M      # the first query block that sees `first`
+    full_lo = tl.cdiv(tl.maximum(last - (N - S), 0), BLOCK_M) * BLOCK_M  # rows from here on see `last`
+    hi = S + lo * 0
+    full_hi = S // BLOCK_M * BLOCK_M + lo * 0
+    if HAS_WINDOW:
+        hi = tl.minimum(hi, last + WINDOW - (N - S))            # later rows see no key of the tile
+        full_hi = tl.minimum(full_hi, tl.maximum(first + WINDOW - (N - S), 0) // BLOCK_M * BLOCK_M)
+    full_hi = tl.maximum(full_hi, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _log2_lse(lse_ptr, rows, row_ok):
+    """The forward's natural log-sum-exp in base 2; a row that saw no key (−inf)
+    gets 0, so ``exp2(s − lse)`` of its (−inf) scores is 0, not NaN."""
+    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    return tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+
+
+@triton.jit
+def _fwd_blocks(acc, m_i, l_i, q, k_base, v_base, mask_ptr, b, rows, start, end, S, N, stride, qk_scale, WINDOW,
+                offs_n, offs_d, d_ok, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, MASKED: tl.constexpr,
+                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """Online softmax over key blocks ``[start, end)``; MASKED blocks test causality,
+    window and bounds, the others only the optional keep mask."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = d_ok[None, :]
+        if MASKED:
+            kv_mask = kv_mask & (cols < N)[:, None]
+        k = tl.load(k_base + cols[:, None] * stride + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW, HAS_WINDOW), s, float("-inf"))
+        elif HAS_MASK:
+            s = tl.where(_kept(cols, N, mask_ptr, b)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED or HAS_MASK:
+            # a row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
+            m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new_safe = m_new
+        p = tl.exp2(s - m_new_safe[:, None])
+        corr = tl.exp2(m_i - m_new_safe)
+        l_i = l_i * corr + tl.sum(p, 1)
+        v = tl.load(v_base + cols[:, None] * stride + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -101,44 +180,55 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    q_base = q_ptr + (b * S * H + h) * D
+    row_ok = rows < S
+    q_off = (b * S * H + h) * D + rows[:, None] * (H * D) + offs_d[None, :]
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     k_base = k_ptr + (b * N * HKV + kvh) * D
     v_base = v_ptr + (b * N * HKV + kvh) * D
-    row_ok = rows < S
-    q = tl.load(q_base + rows[:, None] * (H * D) + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    # keys past the last query of this block are never visible
-    hi = tl.minimum(N, N - S + (pid_m + 1) * BLOCK_M)
-    lo = 0
+    lo, full_lo, full_hi, hi = _key_blocks(pid_m, S, N, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    args = (q, k_base, v_base, mask_ptr, b, rows)
+    tail = (S, N, HKV * D, qk_scale, WINDOW, offs_n, offs_d, d_ok, HAS_MASK, HAS_WINDOW)
     if HAS_WINDOW:
-        lo = _window_first_key(N - S + pid_m * BLOCK_M, WINDOW, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_mask = (cols < N)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW, HAS_WINDOW), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # a row with nothing visible yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_shift[:, None])
-        corr = tl.exp2(m_i - m_shift)
-        l_i = l_i * corr + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, lo, tl.minimum(full_lo, hi), *tail, True, BLOCK_N,
+                                    PRECISION)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, full_lo, full_hi, *tail, False, BLOCK_N, PRECISION)
+    acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, full_hi, hi, *tail, True, BLOCK_N, PRECISION)
 
     empty_row = l_i == 0.0
     l_safe = tl.where(empty_row, 1.0, l_i)
     o = acc / l_safe[:, None]
     lse = tl.where(empty_row, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    o_base = o_ptr + (b * S * H + h) * D
-    tl.store(o_base + rows[:, None] * (H * D) + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(o_ptr + q_off, o.to(o_ptr.dtype.element_ty), mask=q_mask)
     tl.store(lse_ptr + (b * H + h) * S + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _dq_blocks(dq, q, do, lse2, delta, k_base, v_base, mask_ptr, b, rows, start, end, S, N, stride, qk_scale, WINDOW,
+               offs_n, offs_d, d_ok, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, MASKED: tl.constexpr,
+               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """``dq += dS·K`` over key blocks ``[start, end)`` (masking as in :func:`_fwd_blocks`)."""
+    for start_n in range(start, end, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = d_ok[None, :]
+        if MASKED:
+            kv_mask = kv_mask & (cols < N)[:, None]
+        k = tl.load(k_base + cols[:, None] * stride + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * stride + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW, HAS_WINDOW), s, float("-inf"))
+        elif HAS_MASK:
+            s = tl.where(_kept(cols, N, mask_ptr, b)[None, :], s, float("-inf"))
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    return dq
 
 
 @triton.jit
@@ -160,29 +250,51 @@ def _flash_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta_p
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
-    lse = tl.load(lse_ptr + (b * H + h) * S + rows, mask=row_ok, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
+    lse2 = _log2_lse(lse_ptr + (b * H + h) * S, rows, row_ok)
     delta = tl.load(delta_ptr + (b * H + h) * S + rows, mask=row_ok, other=0.0)
     k_base = k_ptr + (b * N * HKV + kvh) * D
     v_base = v_ptr + (b * N * HKV + kvh) * D
 
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    hi = tl.minimum(N, N - S + (pid_m + 1) * BLOCK_M)
-    lo = 0
+    lo, full_lo, full_hi, hi = _key_blocks(pid_m, S, N, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    args = (q, do, lse2, delta, k_base, v_base, mask_ptr, b, rows)
+    tail = (S, N, HKV * D, qk_scale, WINDOW, offs_n, offs_d, d_ok, HAS_MASK, HAS_WINDOW)
     if HAS_WINDOW:
-        lo = _window_first_key(N - S + pid_m * BLOCK_M, WINDOW, BLOCK_N)
-    for start_n in range(lo, hi, BLOCK_N):
-        cols = start_n + offs_n
-        kv_mask = (cols < N)[:, None] & d_ok[None, :]
-        k = tl.load(k_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + cols[:, None] * (HKV * D) + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW, HAS_WINDOW), s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        dq = _dq_blocks(dq, *args, lo, tl.minimum(full_lo, hi), *tail, True, BLOCK_N, PRECISION)
+    dq = _dq_blocks(dq, *args, full_lo, full_hi, *tail, False, BLOCK_N, PRECISION)
+    dq = _dq_blocks(dq, *args, full_hi, hi, *tail, True, BLOCK_N, PRECISION)
     tl.store(dq_ptr + q_off, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _dkdv_blocks(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, q_base, mask_ptr, b, cols, start, end, S, N,
+                 stride, qk_scale, WINDOW, offs_m, offs_d, d_ok, HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 MASKED: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """``dv += Pᵀ·dO`` and ``dk += dSᵀ·Q`` over query blocks ``[start, end)`` of one
+    head, on transposed scores ``sᵀ`` [BLOCK_N, BLOCK_M] (key rows, query columns)."""
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < S
+        q_off = q_base + rows[:, None] * stride + offs_d[None, :]
+        q_mask = d_ok[None, :]
+        if MASKED:
+            q_mask = q_mask & row_ok[:, None]
+        q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+        do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
+        lse2 = _log2_lse(lse_ptr, rows, row_ok)
+        delta = tl.load(delta_ptr + rows, mask=row_ok, other=0.0)
+        st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            st = tl.where(tl.trans(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW, HAS_WINDOW)), st,
+                          float("-inf"))
+        elif HAS_MASK:
+            st = tl.where(_kept(cols, N, mask_ptr, b)[:, None], st, float("-inf"))
+        pt = tl.exp2(st - lse2[None, :])
+        dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -205,36 +317,32 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta
     v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    # the first query that can see key pid_n·BLOCK_N, rounded down to a query block
-    lo = tl.maximum(pid_n * BLOCK_N - (N - S), 0)
-    lo = (lo // BLOCK_M) * BLOCK_M
-    # the last query that can see the last key of this block, with a window
-    hi = S
-    if HAS_WINDOW:
-        hi = tl.minimum(S, (pid_n + 1) * BLOCK_N - 1 + WINDOW - (N - S))
+    lo, full_lo, full_hi, hi = _query_blocks(pid_n, S, N, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    tail = (S, N, H * D, qk_scale, WINDOW, offs_m, offs_d, d_ok, HAS_MASK, HAS_WINDOW)
     for g in range(0, group):
         h = kvh * group + g
-        q_base = (b * S * H + h) * D
-        for start_m in range(lo, hi, BLOCK_M):
-            rows = start_m + offs_m
-            row_ok = rows < S
-            q_off = q_base + rows[:, None] * (H * D) + offs_d[None, :]
-            q_mask = row_ok[:, None] & d_ok[None, :]
-            q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
-            do = tl.load(do_ptr + q_off, mask=q_mask, other=0.0)
-            lse = tl.load(lse_ptr + (b * H + h) * S + rows, mask=row_ok, other=0.0)
-            lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-            delta = tl.load(delta_ptr + (b * H + h) * S + rows, mask=row_ok, other=0.0)
-            # transposed scores sᵀ [BLOCK_N, BLOCK_M]: key rows, query columns
-            st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
-            vis = tl.trans(_visible(rows, cols, S, N, mask_ptr, b, HAS_MASK, WINDOW, HAS_WINDOW))
-            pt = tl.exp2(tl.where(vis, st, float("-inf")) - lse2[None, :])
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-            dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
+        args = (q_ptr, do_ptr, lse_ptr + (b * H + h) * S, delta_ptr + (b * H + h) * S, (b * S * H + h) * D,
+                mask_ptr, b, cols)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, *args, lo, tl.minimum(full_lo, hi), *tail, True, BLOCK_M, PRECISION)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, *args, full_lo, full_hi, *tail, False, BLOCK_M, PRECISION)
+        dk, dv = _dkdv_blocks(dk, dv, k, v, *args, full_hi, hi, *tail, True, BLOCK_M, PRECISION)
     tl.store(dk_ptr + kv_off, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + kv_off, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def _flash_delta_kernel(o_ptr, do_ptr, delta_ptr, R, S, H, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """delta[b, h, s] = Σ_d O·dO in fp32 for BLOCK_R rows r = (b·S + s)·H + h of [B·S·H, D]."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    off = rows.to(tl.int64)[:, None] * D + offs_d[None, :]
+    m = row_ok[:, None] & (offs_d < D)[None, :]
+    o = tl.load(o_ptr + off, mask=m, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + off, mask=m, other=0.0).to(tl.float32)
+    h = rows % H
+    bs = rows // H
+    tl.store(delta_ptr + (bs // S * H + h).to(tl.int64) * S + bs % S, tl.sum(o * do, 1), mask=row_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -244,7 +352,8 @@ def _flash_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, do_ptr, lse_ptr, delta
 
 @dataclass(frozen=True)
 class FlashTiles:
-    """Tile sizes and warps of the three kernels for one padded head dim."""
+    """Tile sizes, warps and software-pipeline stages of the three kernels for one
+    padded head dim (``dq_stages``/``dkdv_stages`` 0: the same as ``stages``)."""
 
     fwd_m: int
     fwd_n: int
@@ -256,25 +365,54 @@ class FlashTiles:
     dkdv_n: int
     dkdv_warps: int
     stages: int = 2
+    dq_stages: int = 0
+    dkdv_stages: int = 0
+
+    def of(self, kind: str) -> tuple[int, int, int, int]:
+        """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of kernel ``kind`` ("fwd",
+        "dq" or "dkdv"; BLOCK_M always counts queries, BLOCK_N keys)."""
+        return {"fwd": (self.fwd_m, self.fwd_n, self.fwd_warps, self.stages),
+                "dq": (self.dq_m, self.dq_n, self.dq_warps, self.dq_stages or self.stages),
+                "dkdv": (self.dkdv_m, self.dkdv_n, self.dkdv_warps, self.dkdv_stages or self.stages)}[kind]
 
 
-# Keyed by BLOCK_D; sized for sm_90 (228 KB shared memory and 64K registers per SM)
-# and checked to compile without spills by the static check. fp32 inputs take exact
-# ("ieee") products, which run on the FMA units and hold their operands in
-# registers, hence smaller tiles than bf16/fp16 (tensor cores).
+# Keyed by BLOCK_D; checked to compile without spills for sm_90 by the static check.
+#
+# bf16/fp16 at head dims 64 and 128 (any multiple of 16 padded to them) run Hopper's
+# wgmma, which needs a warpgroup (4 warps) per 64 rows of a dot's M dimension: queries
+# in the forward and dq kernels, keys (BLOCK_N) in dk/dv. A 128-query forward tile
+# reads each K/V block once for 128 rows, twice the FLOPs per byte of a 64-row tile,
+# with 8 warps. Such head dims are multiples of 16, so Triton's launcher specializes
+# the loads into 16-byte vectors (static cases say so with ``divisible``); that leaves
+# registers for 3 pipelined K/V stages in the forward. The backward kernels hold two
+# fp32 accumulators and four score-sized tiles: 2 stages, and none for dk/dv at 128
+# (one more stage spills).
 _TILES_16BIT: dict[int, FlashTiles] = {
-    16: FlashTiles(64, 64, 4, 64, 64, 4, 64, 64, 4),
-    32: FlashTiles(64, 64, 4, 64, 64, 4, 64, 64, 4),
-    64: FlashTiles(64, 64, 4, 64, 64, 4, 32, 64, 8),
-    128: FlashTiles(64, 32, 4, 64, 32, 8, 32, 32, 8),
-    256: FlashTiles(64, 16, 8, 32, 32, 8, 16, 16, 8),
+    16: FlashTiles(64, 64, 4, 64, 64, 4, 32, 64, 4),
+    32: FlashTiles(64, 64, 4, 64, 64, 4, 16, 64, 4),
+    64: FlashTiles(128, 64, 8, 128, 64, 8, 16, 128, 8, stages=3, dq_stages=2, dkdv_stages=2),
+    128: FlashTiles(128, 64, 8, 128, 64, 8, 16, 128, 8, stages=3, dq_stages=2, dkdv_stages=1),
+    256: FlashTiles(32, 16, 8, 32, 32, 8, 16, 16, 8),
 }
+# More forward candidates the autotuner times on CUDA (the table's comes first).
+_TUNE_16BIT: dict[int, tuple[FlashTiles, ...]] = {
+    64: (dataclasses.replace(_TILES_16BIT[64], fwd_n=128),),
+    128: (dataclasses.replace(_TILES_16BIT[128], stages=2),),
+}
+# Head dims padded to 64/128 that are not multiples of 16 load the head dim with a
+# per-element mask (no vectors): their own smaller tiles.
+_TILES_16BIT_ODD: dict[int, FlashTiles] = {
+    64: FlashTiles(64, 64, 4, 64, 64, 4, 16, 64, 8),
+    128: FlashTiles(64, 32, 8, 64, 16, 8, 32, 32, 8),
+}
+# fp32 inputs take exact ("ieee") products on the FMA units with operands in
+# registers, hence small tiles.
 _TILES_FP32: dict[int, FlashTiles] = {
     16: FlashTiles(64, 64, 4, 32, 32, 4, 32, 32, 4),
     32: FlashTiles(64, 32, 8, 64, 32, 8, 16, 32, 4),
-    64: FlashTiles(64, 32, 8, 64, 32, 8, 32, 32, 8),
-    128: FlashTiles(16, 32, 8, 32, 32, 8, 32, 32, 8),
-    256: FlashTiles(16, 32, 8, 16, 32, 8, 16, 16, 8),
+    64: FlashTiles(16, 16, 8, 64, 32, 8, 32, 32, 8),
+    128: FlashTiles(16, 16, 8, 32, 32, 8, 32, 32, 8, dkdv_stages=1),
+    256: FlashTiles(16, 32, 8, 16, 32, 8, 16, 16, 8, dkdv_stages=1),
 }
 
 
@@ -282,22 +420,92 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-# The window mask costs a few registers: 16-bit forwards at BLOCK_D = 128 need 8 warps
-# to stay spill-free, and fp32 at BLOCK_D = 256 has no spill-free dk/dv tile, so a
-# window supports head_dim ≤ 128.
+# The window mask costs registers; fp32 at BLOCK_D = 256 has no spill-free dk/dv tile
+# with it, so a window supports head_dim ≤ 128.
 WINDOW_MAX_HEAD_DIM = 128
 
 
 def window_tiles(t: FlashTiles, bd: int, fp32: bool) -> FlashTiles:
-    """The tiles of a windowed launch (``t``: the plain tiles at padded head dim ``bd``)."""
-    return t if fp32 or bd < 128 else dataclasses.replace(t, fwd_warps=8)
+    """The tiles of a windowed launch (``t``: the plain tiles at padded head dim ``bd``):
+    16-bit 128-key dk/dv tiles at 128 halve to 64 keys, and 4-warp forward/dq tiles
+    at 64 take 8 warps (half the accumulator per thread), to stay spill-free."""
+    if fp32:
+        return t
+    if bd == 128 and t.dkdv_n == 128:
+        t = dataclasses.replace(t, dkdv_n=64)
+    if bd == 64 and t.fwd_warps == 4:
+        t = dataclasses.replace(t, fwd_warps=8, dq_warps=8)
+    return t
+
+
+def _vector_table(bd: int, fp32: bool, even: bool) -> bool:
+    """Whether launches at ``bd`` use the tiles sized for 16-byte vector loads (16-bit
+    inputs, a head dim that is a multiple of 16, a table with odd-head-dim tiles)."""
+    return not fp32 and (even or bd not in _TILES_16BIT_ODD)
+
+
+def _table(bd: int, fp32: bool, even: bool) -> FlashTiles:
+    if fp32:
+        return _TILES_FP32[bd]
+    return _TILES_16BIT[bd] if _vector_table(bd, fp32, even) else _TILES_16BIT_ODD[bd]
 
 
 def tiles(head_dim: int, dtype: torch.dtype) -> FlashTiles:
     """Launch tiles for ``head_dim`` and the input dtype (tests may monkeypatch this
     to force small tiles, so short sequences still span several blocks)."""
-    table = _TILES_FP32 if dtype == torch.float32 else _TILES_16BIT
-    return table[block_d(head_dim)]
+    return _table(block_d(head_dim), dtype == torch.float32, head_dim % 16 == 0)
+
+
+_TABLE_TILES = tiles
+
+
+def candidates(bd: int, fp32: bool, window: bool, even: bool = True) -> tuple[FlashTiles, ...]:
+    """Every tile set a launch at padded head dim ``bd`` may use (``even``: the head
+    dim is a multiple of 16): the table's first, then the autotuner's others."""
+    first = _table(bd, fp32, even)
+    more = _TUNE_16BIT.get(bd, ()) if not fp32 and even else ()
+    return tuple(dict.fromkeys(window_tiles(t, bd, fp32) if window else t for t in (first, *more)))
+
+
+def _prune(kind: str):
+    """An autotune pruner keeping the configs of ``candidates`` for this launch."""
+
+    def prune(configs, named_args, **kwargs):
+        fp32 = named_args["q_ptr"].dtype == torch.float32
+        even = named_args["D"] % 16 == 0
+        want = {t.of(kind) for t in candidates(kwargs["BLOCK_D"], fp32, kwargs["HAS_WINDOW"], even)}
+        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in want]
+
+    return prune
+
+
+def _autotuned(kernel, kind: str):
+    """``kernel`` autotuned on CUDA over every candidate of its kind, pruned per launch
+    to the candidates of its head dim, dtype and window (keyed on those)."""
+    every = dict.fromkeys(t.of(kind) for bd in _TILES_16BIT for fp32 in (False, True) for even in (False, True)
+                          for window in (False, True) for t in candidates(bd, fp32, window, even))
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
+    return triton.autotune(configs, key=["D", "BLOCK_D", "HAS_MASK", "HAS_WINDOW"],
+                           prune_configs_by={"early_config_prune": _prune(kind)})(kernel)
+
+
+_TUNED = {kind: _autotuned(k, kind) for kind, k in (("fwd", _flash_fwd_kernel), ("dq", _flash_bwd_dq_kernel),
+                                                    ("dkdv", _flash_bwd_dkdv_kernel))}
+_PLAIN = {"fwd": _flash_fwd_kernel, "dq": _flash_bwd_dq_kernel, "dkdv": _flash_bwd_dkdv_kernel}
+
+
+def _launch(kind: str, device: torch.device, head_dim: int, dtype: torch.dtype, window: bool, grid, *args, **consts):
+    """Launch kernel ``kind`` on ``grid(BLOCK_M, BLOCK_N)``: autotuned on CUDA where the
+    head dim and dtype have several candidates; one fixed config under the
+    interpreter or when :func:`tiles` is replaced (tests forcing small tiles)."""
+    bd, fp32 = block_d(head_dim), dtype == torch.float32
+    if device.type == "cuda" and not INTERPRET_AT_IMPORT and tiles is _TABLE_TILES \
+            and len(candidates(bd, fp32, window, head_dim % 16 == 0)) > 1:
+        wrap_triton(_TUNED[kind])[lambda meta: grid(meta["BLOCK_M"], meta["BLOCK_N"])](*args, **consts)
+        return
+    t = tiles(head_dim, dtype)
+    m, n, warps, stages = (window_tiles(t, bd, fp32) if window else t).of(kind)
+    wrap_triton(_PLAIN[kind])[grid(m, n)](*args, BLOCK_M=m, BLOCK_N=n, num_warps=warps, num_stages=stages, **consts)
 
 
 # ----------------------------------------------------------------------------
@@ -321,6 +529,13 @@ def mask_arg(key_mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if key_mask is None else key_mask.to(torch.int8).contiguous()
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it when its data does not start on 16 bytes (a view into a
+    larger buffer): Triton then specializes the loads into the vectors the static
+    sm_90 check compiled (``divisible``)."""
+    return t if t.storage_offset() * t.element_size() % 16 == 0 else t.clone()
+
+
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
                   out_dtype: torch.dtype | None = None, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(O, lse)``: ``O = softmax(q·kᵀ/√D + mask)·v`` ``[B, S, H, D]`` in ``out_dtype``
@@ -330,43 +545,56 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
     (see :func:`mask_arg`)."""
     B, S, H, D = q.shape
     N, HKV = k.shape[1], k.shape[2]
-    t = tiles(D, q.dtype)
-    if window:
-        t = window_tiles(t, block_d(D), q.dtype == torch.float32)
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
     o = empty((B, S, H, D), dtype=out_dtype or q.dtype, device=q.device)
     lse = empty((B, H, S), dtype=torch.float32, device=q.device)
-    wrap_triton(_flash_fwd_kernel)[(triton.cdiv(S, t.fwd_m), B * H)](
-        q, k, v, key_mask, o, lse, S, N, H, HKV, D, LOG2E / math.sqrt(D), window,
-        HAS_MASK=key_mask is not None, HAS_WINDOW=window > 0, BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n, BLOCK_D=block_d(D),
-        PRECISION=dot_precision(q.dtype), num_warps=t.fwd_warps, num_stages=t.stages,
-    )
+    _launch("fwd", q.device, D, q.dtype, window > 0, lambda m, n: (triton.cdiv(S, m), B * H),
+            q, k, v, key_mask, o, lse, S, N, H, HKV, D, LOG2E / math.sqrt(D), window,
+            HAS_MASK=key_mask is not None, HAS_WINDOW=window > 0, BLOCK_D=block_d(D), PRECISION=dot_precision(q.dtype))
     return o, lse
 
 
+# rows of the delta kernel's tile: 4096 elements of each operand per program
+DELTA_TILE = 4096
+DELTA_WARPS = 4
+
+
+def flash_delta(o: torch.Tensor, do: torch.Tensor) -> torch.Tensor:
+    """``delta = rowsum(dO·O)`` ``[B, H, S]`` fp32 for contiguous ``o``, ``do``
+    ``[B, S, H, D]`` (any float dtypes; products summed in fp32), in one pass."""
+    B, S, H, D = o.shape
+    delta = empty((B, H, S), dtype=torch.float32, device=o.device)
+    bd = block_d(D)
+    rows = max(1, DELTA_TILE // bd)
+    wrap_triton(_flash_delta_kernel)[(triton.cdiv(B * S * H, rows),)](
+        o, do, delta, B * S * H, S, H, D, BLOCK_R=rows, BLOCK_D=bd, num_warps=DELTA_WARPS)
+    return delta
+
+
 def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                   do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, window: int = 0,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor | None, window: int = 0, *,
+                   o: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` for upstream ``do`` ``[B, S, H, D]`` (the dtype of ``q``), given
-    the forward's ``lse`` and ``delta = rowsum(do·O)`` ``[B, H, S]`` fp32. All
-    contiguous; gradients in the dtypes of q, k, v, summed over each GQA group."""
+    the forward's ``lse`` and ``delta = rowsum(do·O)`` ``[B, H, S]`` fp32 (or
+    ``delta=None`` and the forward's output ``o``: :func:`flash_delta` computes it).
+    All contiguous; gradients in the dtypes of q, k, v, summed over each GQA group."""
+    if delta is None:
+        if o is None:
+            raise ConfigError("flash_backward needs `delta` or the forward's output `o`, got neither")
+        delta = flash_delta(o, do)
+    q, k, v, do = _aligned(q), _aligned(k), _aligned(v), _aligned(do)
     B, S, H, D = q.shape
     N, HKV = k.shape[1], k.shape[2]
-    t = tiles(D, q.dtype)
     dq = empty(q.shape, dtype=q.dtype, device=q.device)
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dv = empty(v.shape, dtype=v.dtype, device=v.device)
-    common = dict(HAS_MASK=key_mask is not None, HAS_WINDOW=window > 0, BLOCK_D=block_d(D),
-                  PRECISION=dot_precision(q.dtype),
-                  num_stages=t.stages)
     scale = 1.0 / math.sqrt(D)
-    wrap_triton(_flash_bwd_dq_kernel)[(triton.cdiv(S, t.dq_m), B * H)](
-        q, k, v, key_mask, do, lse, delta, dq, S, N, H, HKV, D, scale * LOG2E, scale, window,
-        BLOCK_M=t.dq_m, BLOCK_N=t.dq_n, num_warps=t.dq_warps, **common,
-    )
-    wrap_triton(_flash_bwd_dkdv_kernel)[(triton.cdiv(N, t.dkdv_n), B * HKV)](
-        q, k, v, key_mask, do, lse, delta, dk, dv, S, N, H, HKV, D, scale * LOG2E, scale, window,
-        BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n, num_warps=t.dkdv_warps, **common,
-    )
+    consts = dict(HAS_MASK=key_mask is not None, HAS_WINDOW=window > 0, BLOCK_D=block_d(D),
+                  PRECISION=dot_precision(q.dtype))
+    _launch("dq", q.device, D, q.dtype, window > 0, lambda m, n: (triton.cdiv(S, m), B * H),
+            q, k, v, key_mask, do, lse, delta, dq, S, N, H, HKV, D, scale * LOG2E, scale, window, **consts)
+    _launch("dkdv", q.device, D, q.dtype, window > 0, lambda m, n: (triton.cdiv(N, n), B * HKV),
+            q, k, v, key_mask, do, lse, delta, dk, dv, S, N, H, HKV, D, scale * LOG2E, scale, window, **consts)
     return dq, dk, dv
 
 
@@ -383,9 +611,9 @@ def _flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 @triton_op("laminae::flash_attention_bwd", mutates_args=())
 def _flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
-                         do: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, window: int = 0,
+                         do: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, window: int = 0,
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_backward(q, k, v, key_mask, do, lse, delta, window)
+    return flash_backward(q, k, v, key_mask, do, lse, None, window, o=o)
 
 
 def _setup_context(ctx, inputs, output):
@@ -397,9 +625,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse):
     q, k, v, key_mask, o, lse = ctx.saved_tensors
-    do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1).permute(0, 2, 1).contiguous()
-    dq, dk, dv = _flash_attention_bwd(q, k, v, key_mask, do, lse, delta, ctx.window)
+    dq, dk, dv = _flash_attention_bwd(q, k, v, key_mask, do.contiguous(), lse, o, ctx.window)
     return dq, dk, dv, None, None
 
 
@@ -457,33 +683,45 @@ def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def static_cases(out_dtypes: tuple[str, ...] | None = None,
                  windows: tuple[bool, ...] = (False,)) -> Iterator[StaticCase]:
-    """Every (dtype, head-dim tile, mask) configuration the three kernels launch with.
+    """Every (dtype, head-dim tile, mask, autotune candidate) configuration the
+    kernels launch with.
 
     ``out_dtypes`` lists extra forward output dtypes (an epilogue caller stores O in
-    fp32 for bf16/fp16 inputs); ``windows`` which HAS_WINDOW variants the caller uses."""
+    fp32 for bf16/fp16 inputs); ``windows`` which HAS_WINDOW variants the caller uses.
+    bf16/fp16 at head dims 64 and 128 compile as launched for a head dim that is a
+    multiple of 16 (16-byte-aligned tensors, ``divisible``) and must build on Hopper's
+    wgmma (``expect``); other head dims padded to them have their own tiles."""
+    scalars = dict(S="i32", N="i32", H="i32", HKV="i32", D="i32", qk_scale="fp32")
     for dt in ("fp32", "bf16", "fp16"):
-        p = f"*{dt}"
-        precision = dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16)
-        for bd, plain in (_TILES_FP32 if dt == "fp32" else _TILES_16BIT).items():
-            for has_mask, has_window in ((m, w) for m in (True, False) for w in windows):
+        p, fp32 = f"*{dt}", dt == "fp32"
+        precision = dot_precision(torch.float32 if fp32 else torch.bfloat16)
+        bwd_sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", do_ptr=p, lse_ptr="*fp32", delta_ptr="*fp32")
+        bwd_scalars = scalars | dict(sm_scale="fp32", WINDOW="i32")
+        kernels = {
+            "fwd": ("flash_fwd", _flash_fwd_kernel, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "D")),
+            "dq": ("flash_bwd_dq", _flash_bwd_dq_kernel, ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr", "D")),
+            "dkdv": ("flash_bwd_dkdv", _flash_bwd_dkdv_kernel,
+                     ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr", "D")),
+        }
+        for bd in (_TILES_FP32 if fp32 else _TILES_16BIT):
+            vector = not fp32 and bd in _TILES_16BIT_ODD
+            for even, has_mask, has_window in ((e, m, w) for e in ((True, False) if vector else (False,))
+                                               for m in (True, False) for w in windows):
                 if has_window and bd > WINDOW_MAX_HEAD_DIM:
                     continue
-                t = window_tiles(plain, bd, dt == "fp32") if has_window else plain
-                tags = {"dtype": dt} | ({"window": True} if has_window else {})
+                tags = {"dtype": dt} | ({"window": True} if has_window else {}) | ({"div16": True} if even else {})
                 base = dict(HAS_MASK=has_mask, HAS_WINDOW=has_window, BLOCK_D=bd, PRECISION=precision)
-                for o_dt in dict.fromkeys((dt, *(out_dtypes or ()))):
-                    yield StaticCase(
-                        "flash_fwd", _flash_fwd_kernel,
-                        dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", o_ptr=f"*{o_dt}", lse_ptr="*fp32",
-                             S="i32", N="i32", H="i32", HKV="i32", D="i32", qk_scale="fp32", WINDOW="i32"),
-                        dict(base, BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n), t.fwd_warps, t.stages,
-                        tags=tags | ({"out": o_dt} if o_dt != dt else {}))
-                bwd_sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", do_ptr=p, lse_ptr="*fp32",
-                               delta_ptr="*fp32")
-                scalars = dict(S="i32", N="i32", H="i32", HKV="i32", D="i32", qk_scale="fp32", sm_scale="fp32",
-                               WINDOW="i32")
-                yield StaticCase("flash_bwd_dq", _flash_bwd_dq_kernel, bwd_sig | dict(dq_ptr=p) | scalars,
-                                 dict(base, BLOCK_M=t.dq_m, BLOCK_N=t.dq_n), t.dq_warps, t.stages, tags=tags)
-                yield StaticCase("flash_bwd_dkdv", _flash_bwd_dkdv_kernel,
-                                 bwd_sig | dict(dk_ptr=p, dv_ptr=p) | scalars,
-                                 dict(base, BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n), t.dkdv_warps, t.stages, tags=tags)
+                options = candidates(bd, fp32, has_window, even)
+                for kind, (name, kernel, divisible) in kernels.items():
+                    extra = dict(divisible=divisible, expect="HGMMA") if even else {}
+                    for m, n, warps, stages in dict.fromkeys(t.of(kind) for t in options):
+                        for o_dt in dict.fromkeys((dt, *(out_dtypes or ()))) if kind == "fwd" else (dt,):
+                            signature = (dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", o_ptr=f"*{o_dt}",
+                                              lse_ptr="*fp32") | scalars | dict(WINDOW="i32") if kind == "fwd" else
+                                         bwd_sig | (dict(dq_ptr=p) if kind == "dq" else dict(dk_ptr=p, dv_ptr=p))
+                                         | bwd_scalars)
+                            yield StaticCase(name, kernel, signature, dict(base, BLOCK_M=m, BLOCK_N=n), warps, stages,
+                                             tags=tags | ({"out": o_dt} if o_dt != dt else {}), **extra)
+            yield StaticCase("flash_delta", _flash_delta_kernel,
+                             dict(o_ptr=p, do_ptr=p, delta_ptr="*fp32", R="i32", S="i32", H="i32", D="i32"),
+                             dict(BLOCK_R=max(1, DELTA_TILE // bd), BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt})

@@ -302,8 +302,8 @@ def case_key(case, memo: dict | None = None) -> str:
     what = dict(schema=SCHEMA, target=list(TARGET), triton=triton.__version__, source=source_key(case.kernel, memo),
                 signature=dict(case.signature), constexprs={k: repr(v) for k, v in case.constexprs.items()},
                 num_warps=case.num_warps, num_stages=case.num_stages)
-    if case.aligned:  # only then, so the keys of cases without it stay as they were
-        what["aligned"] = sorted(case.aligned)
+    if getattr(case, "divisible", ()):
+        what["divisible"] = sorted(case.divisible)
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -354,14 +354,15 @@ def compile_case(job: Job) -> dict:
                        num_warps=case.num_warps, num_stages=case.num_stages)
     signature = dict(case.signature)
     signature.update({k: "constexpr" for k in case.constexprs})
+    # the arguments Triton's launcher specializes as multiples of 16 at run time
+    attrs = {(case.kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in getattr(case, "divisible", ())}
     log = io.StringIO()
     try:
         # Triton runs ptxas with -v; ask it to print that log rather than run ptxas twice.
         with knobs.nvidia.scope(), redirect_stdout(log):
             knobs.nvidia.dump_ptxas_log = True
             compiled = triton.compile(
-                ASTSource(fn=case.kernel, signature=signature, constexprs=dict(case.constexprs),
-                          attrs={(case.kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in case.aligned}),
+                ASTSource(fn=case.kernel, signature=signature, constexprs=dict(case.constexprs), attrs=attrs),
                 target=GPUTarget(*TARGET), options={"num_warps": case.num_warps, "num_stages": case.num_stages})
     except Exception as exc:  # the entry carries the reason; the check fails on it
         msg = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]

@@ -86,7 +86,7 @@ CONFIGS = {
              128: (16, 16, 16, 16, 8, 1)},
 }
 # arguments a "16bit" launch has as multiples of 16 (static_cases passes them to the compile)
-_ALIGNED = ("q_ptr", "k_ptr", "v_ptr", "mem_ptr", "y_ptr", "g_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dmem_ptr", "D")
+_DIVISIBLE = ("q_ptr", "k_ptr", "v_ptr", "mem_ptr", "y_ptr", "g_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dmem_ptr", "D")
 
 
 # ----------------------------------------------------------------------------
@@ -627,8 +627,8 @@ def static_cases() -> Iterator[StaticCase]:
                           expect="HGMMA" if wide and block_d >= 64 else "")
 
             def case(name, kernel, signature, constexprs):
-                aligned = tuple(a for a in _ALIGNED if a in signature) if wide else ()
-                return StaticCase(name, kernel, signature, constexprs, aligned=aligned, **launch)
+                divisible = tuple(a for a in _DIVISIBLE if a in signature) if wide else ()
+                return StaticCase(name, kernel, signature, constexprs, divisible=divisible, **launch)
 
             yield case("mc_fwd", _mc_fwd_kernel,
                        {**ins, "mem_ptr": pt, "z_ptr": "*fp32", "y_ptr": pt, "den_ptr": "*fp32", **scal, "eps": "fp32"},

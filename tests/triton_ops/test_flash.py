@@ -1,0 +1,175 @@
+"""The shared causal flash core (``triton_ops/_flash.py``): the split of the key and
+query loops into unmasked and masked blocks, parity with small tiles of unequal
+sides, the fused ``delta`` kernel and the Hopper tile tables."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+from laminae.primitives import ConfigError
+from laminae.triton_ops import _flash
+from laminae.triton_ops._flash import FlashTiles, flash_attention, flash_attention_reference
+
+from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
+
+# Unequal tile sides both ways, so the diagonal blocks of the forward/dq loops and of
+# the dk/dv loop are cut by the causal bound in the middle of a tile.
+TALL = FlashTiles(32, 16, 4, 32, 16, 4, 16, 32, 4)
+WIDE = FlashTiles(16, 32, 4, 16, 32, 4, 32, 16, 4)
+
+
+@contextmanager
+def forced_tiles(t: FlashTiles):
+    original = _flash.tiles
+    _flash.tiles = lambda head_dim, dtype: t
+    try:
+        yield
+    finally:
+        _flash.tiles = original
+
+
+# ----------------------------------------------------------------------------
+# The loop split
+# ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _ranges_probe(out_ptr, S, N, WINDOW, HAS_WINDOW: tl.constexpr, KEYS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    if KEYS:
+        lo, full_lo, full_hi, hi = _flash._key_blocks(pid, S, N, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    else:
+        lo, full_lo, full_hi, hi = _flash._query_blocks(pid, S, N, WINDOW, HAS_WINDOW, BLOCK_M, BLOCK_N)
+    tl.store(out_ptr + pid * 4, lo)
+    tl.store(out_ptr + pid * 4 + 1, full_lo)
+    tl.store(out_ptr + pid * 4 + 2, full_hi)
+    tl.store(out_ptr + pid * 4 + 3, hi)
+
+
+def _visibility(S: int, N: int, window: int | None) -> torch.Tensor:
+    d = torch.arange(S)[:, None] + (N - S) - torch.arange(N)[None, :]
+    return (d >= 0) & (d < (window or N + 1))
+
+
+def _ranges(keys: bool, S, N, window, bm, bn) -> list[tuple[int, int, int, int]]:
+    tiles = triton.cdiv(S, bm) if keys else triton.cdiv(N, bn)
+    out = torch.full((tiles, 4), -99, dtype=torch.int32, device=DEVICE)
+    _ranges_probe[(tiles,)](out, S, N, window or 0, HAS_WINDOW=bool(window), KEYS=keys, BLOCK_M=bm, BLOCK_N=bn)
+    return [tuple(r) for r in out.cpu().tolist()]
+
+
+@given(S=st.integers(1, 70), extra=st.integers(0, 40), bm=st.sampled_from([16, 32, 64]),
+       bn=st.sampled_from([16, 32, 64]), window=st.one_of(st.none(), st.integers(1, 50)))
+def test_loop_split_covers_every_visible_pair_and_its_full_blocks_need_no_mask(S, extra, bm, bn, window):
+    """Forward/dq tiles walk key blocks, dk/dv tiles query blocks, in three ranges:
+    masked, unmasked, masked. Every visible (query, key) pair is walked exactly once,
+    nothing outside ``[lo, hi)`` is visible, and in the unmasked range every real
+    row of the tile sees every key of the block."""
+    N = S + extra
+    vis = _visibility(S, N, window)
+    for keys, tile, step in ((True, bm, bn), (False, bn, bm)):
+        for pid, (lo, full_lo, full_hi, hi) in enumerate(_ranges(keys, S, N, window, bm, bn)):
+            assert lo % step == 0 and full_lo % step == 0 and full_hi % step == 0, (lo, full_lo, full_hi)
+            assert lo <= full_lo <= full_hi
+            tile_vis = vis[pid * tile:(pid + 1) * tile] if keys else vis[:, pid * tile:(pid + 1) * tile].t()
+            walked = torch.zeros(tile_vis.shape[1] + step, dtype=torch.int64)
+            parts = [(lo, min(full_lo, hi), True), (full_lo, full_hi, False), (full_hi, hi, True)]
+            for start, end, masked in parts:
+                for b in range(start, end, step):
+                    walked[b:b + step] += 1
+                    if not masked:
+                        block = tile_vis[:, b:b + step]
+                        assert block.shape[1] == step and block.all(), (pid, b, keys)
+            seen = tile_vis.any(0)
+            assert (walked[:len(seen)][seen] == 1).all(), (pid, keys, lo, full_lo, full_hi, hi)
+            assert (walked <= 1).all()
+
+
+# ----------------------------------------------------------------------------
+# Parity
+# ----------------------------------------------------------------------------
+
+
+@given(B=st.integers(1, 2), S=st.integers(1, 50), extra=st.integers(0, 20),
+       hh=st.sampled_from([(1, 1), (2, 1), (4, 2)]), D=st.sampled_from([8, 16, 24]), masked=st.booleans(),
+       window=st.one_of(st.none(), st.integers(1, 40)), t=st.sampled_from([TALL, WIDE]), scale=scales, seed=seeds)
+# long enough for whole query blocks below every key tile: the dk/dv loop's unmasked range
+@example(B=1, S=70, extra=5, hh=(2, 1), D=16, masked=True, window=None, t=TALL, scale=1.0, seed=3)
+@example(B=1, S=70, extra=5, hh=(2, 1), D=16, masked=True, window=60, t=WIDE, scale=1.0, seed=4)
+def test_kernels_match_reference_with_unequal_tiles(B, S, extra, hh, D, masked, window, t, scale, seed):
+    gen = torch.Generator().manual_seed(seed)
+    H, HKV = hh
+    N = S + extra
+    inputs = {"q": (torch.randn(B, S, H, D, generator=gen) * scale).to(DEVICE),
+              "k": (torch.randn(B, N, HKV, D, generator=gen) * scale).to(DEVICE),
+              "v": (torch.randn(B, N, HKV, D, generator=gen) * scale).to(DEVICE),
+              "key_mask": keep_mask(B, N, gen) if masked else None, "window": window}
+    with forced_tiles(t):
+        assert_parity(flash_attention, flash_attention_reference, inputs, ["q", "k", "v"])
+
+
+# ----------------------------------------------------------------------------
+# The delta kernel and the backward launcher
+# ----------------------------------------------------------------------------
+
+
+@given(B=st.integers(1, 2), S=st.integers(1, 40), H=st.integers(1, 3), D=st.sampled_from([1, 8, 24, 64, 200]),
+       seed=seeds)
+def test_delta_kernel_is_rowsum_of_do_times_o(B, S, H, D, seed):
+    gen = torch.Generator().manual_seed(seed)
+    o, do = (torch.randn(B, S, H, D, generator=gen).to(DEVICE) for _ in range(2))
+    expected = (o.double() * do.double()).sum(-1).permute(0, 2, 1)
+    torch.testing.assert_close(_flash.flash_delta(o, do).double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_backward_with_fused_delta_equals_backward_with_given_delta():
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 21, 4, 16, generator=gen).to(DEVICE)
+    k, v = (torch.randn(2, 25, 2, 16, generator=gen).to(DEVICE) for _ in range(2))
+    do = torch.randn(2, 21, 4, 16, generator=gen).to(DEVICE)
+    mask = _flash.mask_arg(keep_mask(2, 25, gen))
+    with forced_tiles(TALL):
+        o, lse = _flash.flash_forward(q, k, v, mask)
+        delta = (do * o).sum(-1).permute(0, 2, 1).contiguous()
+        given_delta = _flash.flash_backward(q, k, v, mask, do, lse, delta)
+        fused = _flash.flash_backward(q, k, v, mask, do, lse, None, o=o)
+    for a, b in zip(fused, given_delta):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ConfigError, match="delta"):
+        _flash.flash_backward(q, k, v, mask, do, lse, None)
+
+
+# ----------------------------------------------------------------------------
+# Tiles for Hopper
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bd", [64, 128])
+@pytest.mark.parametrize("window", [False, True])
+def test_16bit_tiles_fill_warpgroups_and_every_candidate_is_a_static_case(bd, window):
+    """wgmma needs ≥ 64 rows of a dot's M dimension per warpgroup (4 warps): queries in
+    the forward and dq kernels, keys in dk/dv. Each autotune candidate the pruner can
+    keep is a static case of that head dim, dtype and window, expected on HGMMA."""
+    options = _flash.candidates(bd, False, window)
+    assert len(options) > 1
+    for t in options:
+        for kind, rows in (("fwd", t.fwd_m), ("dq", t.dq_m), ("dkdv", t.dkdv_n)):
+            m, n, warps, stages = t.of(kind)
+            assert warps % 4 == 0 and rows >= 64, (kind, t)
+            assert kind == "dkdv" or stages >= 2  # dk/dv at 128: a second stage spills
+    cases = [c for c in _flash.static_cases(windows=(window,))
+             if c.constexprs.get("BLOCK_D") == bd and c.tags["dtype"] == "bf16" and c.tags.get("div16")]
+    for kind, name in (("fwd", "flash_fwd"), ("dq", "flash_bwd_dq"), ("dkdv", "flash_bwd_dkdv")):
+        launched = {(c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps, c.num_stages)
+                    for c in cases if c.name == name}
+        kept = _flash._prune(kind)(_flash._TUNED[kind].configs, {"q_ptr": torch.empty(0, dtype=torch.bfloat16), "D": bd},
+                                   BLOCK_D=bd, HAS_WINDOW=window)
+        assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept} == launched
+        assert all(c.expect == "HGMMA" and "D" in c.divisible for c in cases if c.name == name)
