@@ -117,18 +117,28 @@ def test_block_trains_on_both_backends_and_under_autocast(kind):
     if kind not in ("siamese_norm", "xsa", "laurel", "mom_read"):
         mask = torch.ones(B, T, dtype=torch.bool)
         mask[1, :2] = False                                  # left padding
-    results = {}
+    results, autocast = {}, {}
     for backend in ("reference", "triton"):
         set_backend(model, backend)
         results[backend] = _loss_and_grads(model, tokens, mask)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, grads = _loss_and_grads(model, tokens, mask)
+            autocast[backend] = _loss_and_grads(model, tokens, mask)
+        loss, grads = autocast[backend]
         assert torch.isfinite(loss) and all(g is None or torch.isfinite(g).all() for g in grads)
     (loss_r, grads_r), (loss_t, grads_t) = results["reference"], results["triton"]
     torch.testing.assert_close(loss_t, loss_r, atol=1e-5, rtol=1e-5)
     for gr, gt in zip(grads_r, grads_t):
         if gr is not None:
             torch.testing.assert_close(gt, gr, atol=1e-4, rtol=1e-3)
+    # Under autocast both paths round at different points, so they agree to bf16
+    # precision, not bitwise: the loss to 2 %, each gradient to 10 % of its norm (plus
+    # 2e-3, for gradients that cancel to almost nothing, e.g. a bias feeding a softmax).
+    (loss_r, grads_r), (loss_t, grads_t) = autocast["reference"], autocast["triton"]
+    torch.testing.assert_close(loss_t, loss_r, atol=0, rtol=2e-2)
+    for gr, gt in zip(grads_r, grads_t):
+        if gr is not None:
+            gr, gt = gr.float(), gt.float()
+            assert (gt - gr).norm() <= 0.1 * gr.norm() + 2e-3, ((gt - gr).norm(), gr.norm())
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
