@@ -161,8 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, DTYPES[args.dtype])
     if device == "cpu" and dtype != torch.float32:
-        parser.error(f"--dtype {args.dtype} needs --device cuda: the CPU interpreter multiplies bf16/fp16 "
-                     "inexactly in tl.dot, so only float32 is checked there")
+        parser.error(f"--dtype {args.dtype} needs --device cuda: the CPU interpreter runs bf16 arithmetic "
+                     "outside tl.dot on raw bits, so only float32 is checked there")
     _prepare_environment()
     return run(args.mechanisms, args.reps, device, dtype)
 

@@ -114,8 +114,8 @@ def test_launch_kind_follows_dtype_head_dim_and_alignment():
 
 @pytest.mark.parametrize("S, L, D, left_pad", [(45, 8, 16, 11), (70, 20, 32, 3), (37, 40, 64, 0)])
 def test_kernel_fp16_through_the_16bit_tiles(S, L, D, left_pad):
-    """fp16 runs the 16-bit code path in the interpreter (numpy has fp16; bf16 products
-    are GPU-only): 16-bit operands with fp32 accumulation within fp16 tolerance. Left
+    """fp16 runs the 16-bit code path in the interpreter (numpy has fp16; the
+    interpreter holds bf16 as raw bits): 16-bit operands with fp32 accumulation within fp16 tolerance. Left
     padding longer than a segment gives rows that read only empty memories (den = eps,
     1/den beyond fp16's range): the kernels stay finite and exact there."""
     inp = _inputs(2, S, 2, D, 6, L, False, 1.0, S, dtype=torch.float16)

@@ -112,7 +112,7 @@ def test_default_tiles_span_several_chunks_and_pair_tiles():
 
 def test_fp16_with_the_gpu_tiles():
     """The 16-bit tiles the GPU launches at hd 64 (64-pair tiles, 64-slot chunks, 8-warp
-    dK/dV), run by the interpreter in fp16 (its bf16 tl.dot is not faithful): a block of
+    dK/dV), run by the interpreter in fp16 (numpy's own 16-bit float): a block of
     70 slots spans a full and a masked chunk, 80 pairs of a block span two tiles."""
     assert mom_mod.tiles(64, torch.float16) == MoMTiles(64, 64, 4, 4, 64, 64, 8, 16)
     inp = _inputs(2, 40, 1, 64, 2, 70, 2, 1.0, 12, dtype=torch.float16)
