@@ -410,7 +410,7 @@ _TILES_16BIT_ODD: dict[int, FlashTiles] = {
 _TILES_FP32: dict[int, FlashTiles] = {
     16: FlashTiles(64, 64, 4, 32, 32, 4, 32, 32, 4),
     32: FlashTiles(64, 32, 8, 64, 32, 8, 16, 32, 4),
-    64: FlashTiles(16, 16, 8, 64, 32, 8, 32, 32, 8),
+    64: FlashTiles(16, 16, 4, 64, 32, 8, 32, 32, 8),
     128: FlashTiles(16, 16, 8, 32, 32, 8, 32, 32, 8, dkdv_stages=1),
     256: FlashTiles(16, 32, 8, 16, 32, 8, 16, 16, 8, dkdv_stages=1),
 }
