@@ -86,7 +86,7 @@ def test_static_cases_cover_every_launch_configuration():
         listed.setdefault(key, {"warps": c.num_warps, "stages": c.num_stages}).update(c.constexprs)
         wide = c.tags["kind"] == "16bit"
         assert c.expect == ("HGMMA" if wide and c.constexprs["BLOCK_D"] >= 64 else "")
-        assert bool(c.aligned) == wide and set(c.aligned) <= set(c.signature)
+        assert bool(c.divisible) == wide and set(c.divisible) <= set(c.signature)
     dtypes = {"fp32": ["fp32"], "16bit": ["bf16", "fp16"], "16bit-unaligned": ["bf16", "fp16"]}
     for kind in mc.CONFIGS:
         for D in range(1, mc.MAX_HEAD_DIM + 1):
