@@ -2,6 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 HYPOTHESIS_PROFILE ?= ci
+# pytest workers (pytest-xdist): one per core, each single-threaded (BLAS and torch
+# thread pools would otherwise compete for the same cores); JOBS=0 runs in one process
+JOBS ?= auto
+ONE_THREAD := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 
 .PHONY: setup tour test test-gpu bench report static clean
 
@@ -12,7 +16,7 @@ tour: setup
 	$(PY) -m laminae.triton_ops.tour
 
 test: setup
-	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(PY) -m pytest -q tests
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(ONE_THREAD) $(PY) -m pytest -q -n $(JOBS) --dist worksteal $(PYTEST_ARGS) tests
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests

@@ -12,6 +12,10 @@ if not HAS_CUDA:
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
+# Under pytest-xdist every core runs a worker: one torch thread each, or the workers'
+# thread pools compete for the same cores (60 % more CPU time for the same tests).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

@@ -42,7 +42,7 @@ def test_two_ranks_match_one_process(recipe, wrapper, tmp_path):
     args = ["--recipe", recipe, "--steps", "3", *SMALL, *DETERMINISTIC[recipe]]
     single = main([*args, "--out", str(tmp_path / "one")])
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "laminae.recipes.train",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "laminae.recipes.train",
            *args, "--out", str(tmp_path / "two"), *(["--fsdp"] if wrapper == "fsdp" else [])]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
