@@ -658,7 +658,7 @@ def tour_case(device: torch.device):
     from .tour import TourCase
 
     gen = torch.Generator().manual_seed(0)
-    B, T, D, H, d, S = 2, 48, 128, 4, 6, 16
+    B, T, D, H, d, S = 2, 24, 128, 4, 6, 16
     inputs = {
         "x": torch.randn(B, T, D, generator=gen).to(device),
         "action_weight": (torch.randn(3 * H, D, generator=gen) * 0.3).to(device),
