@@ -16,9 +16,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$VENV/bin/python" -c "
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-# --no-compile: byte-compiling all of torch at install takes about a minute; Python
-# compiles the modules it imports on first use instead.
-pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile)
+pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first, from the pinned CPU build, so nothing later can pull a CUDA build.
 "${pip[@]}" -c "$CONSTRAINTS" "$(grep -E '^torch==' "$CONSTRAINTS")"
 "${pip[@]}" -c "$CONSTRAINTS" -e ".[test,io,bench]"
