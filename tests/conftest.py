@@ -27,7 +27,16 @@ settings.register_profile("thorough", max_examples=1000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def _cost_rank(item) -> int:
+    path = str(item.path)
+    return 0 if "/tests/triton_ops/" in path else 1 if "/tests/recipes/" in path else 2
+
+
 def pytest_collection_modifyitems(config, items):
+    # The interpreted kernel tests (seconds each) first, quick reference tests last:
+    # the pytest-xdist workers then finish together instead of one waiting on a
+    # long test at the end.
+    items.sort(key=_cost_rank)
     if HAS_CUDA:
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
