@@ -22,6 +22,7 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
+from ._token_ids import check_token_ids, ids_in_range, nan_rows, safe_ids
 from ._validation import check_choice, check_positive_float, check_positive_int, check_same_device, check_tensor
 
 __all__ = [
@@ -59,16 +60,19 @@ def slot_weights(byte_len: torch.Tensor, pad_mode: str, mode: str, slots: int = 
 def spelling_vectors(token_ids: torch.Tensor, byte_embed: torch.Tensor, byte_ids: torch.Tensor,
                      byte_len: torch.Tensor, *, rope_theta: float = 10000.0, byte_position_offset: int = 0,
                      pad_mode: str = "embed", mode: str = "mean", upcast: bool = True) -> torch.Tensor:
-    """s(v) for the given token ids [...] → [..., d] (fp32 when ``upcast``, else byte_embed's dtype)."""
+    """s(v) for the given token ids [...] → [..., d] (fp32 when ``upcast``, else byte_embed's dtype).
+    An id outside [0, V) gets a NaN row."""
     d = byte_embed.shape[1]
     compute = torch.promote_types(byte_embed.dtype, torch.float32) if upcast else byte_embed.dtype
     cos, sin = spelling_bee_rotary(d, rope_theta, byte_position_offset, byte_ids.shape[1], byte_embed.device)
     cos, sin = cos.to(compute), sin.to(compute)
+    valid = ids_in_range(token_ids, byte_ids.shape[0])
+    token_ids = safe_ids(token_ids, valid)
     u = byte_embed.to(compute)[byte_ids[token_ids].long()]  # [..., 16, d]
     lo, hi = u[..., : d // 2], u[..., d // 2:]
     rotated = torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)
     w = slot_weights(byte_len[token_ids], pad_mode, mode, byte_ids.shape[1]).to(compute)
-    return torch.einsum("...i,...id->...d", w, rotated)
+    return nan_rows(torch.einsum("...i,...id->...d", w, rotated), valid)
 
 
 def spelling_bee_reference(
@@ -87,7 +91,8 @@ def spelling_bee_reference(
     """e_bee = ½·(e_tok + s(ids)).
 
     Args:
-        ids: token ids ``[...]`` (e.g. ``[batch, seq]``), integer, in [0, V).
+        ids: token ids ``[...]`` (e.g. ``[batch, seq]``), integer, in [0, V); an id
+            outside gives a NaN row (its e_tok still receives ½ of the gradient).
         e_tok: token embeddings ``[..., d]`` for the same ids (dense row or Leviathan output).
         byte_embed: ``[256, d]`` byte table, d even.
         byte_ids: ``[V, 16]`` integer bytes of every vocabulary entry (pad 0).
@@ -196,9 +201,9 @@ class SpellingBeeEmbedding(nn.Module):
         mode: "mean" (fixed 1/16 mean; default) or "masked_sqrt" (1/√n over real bytes).
         initializer_range: std of the byte table init (0.02).
         backend: "auto" | "triton" | "reference".
-        check_ids: check ids are in [0, V). ``None`` (default) checks on CPU only: on a
-            GPU the check synchronises the device every call (the kernels mask
-            out-of-range ids, which then get s = 0).
+        validate_ids: read the ids and raise :class:`TokenIdError` for any outside
+            [0, V) (on a GPU a device sync per call). ``False`` (default, every device):
+            no check, such ids give NaN rows on every backend.
 
     Parameters: ``byte_embed.weight`` [256, d] (the only one: 256·d). Buffers:
     ``byte_ids`` [V, 16] int16, ``byte_len`` [V] int16, ``table_ready`` (persistent, so a
@@ -217,7 +222,7 @@ class SpellingBeeEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, rope_theta: float = 10000.0,
                  byte_position_offset: int = 0, pad_mode: str = "embed", mode: str = "mean",
-                 initializer_range: float = 0.02, backend: Backend = "auto", check_ids: bool | None = None) -> None:
+                 initializer_range: float = 0.02, backend: Backend = "auto", validate_ids: bool = False) -> None:
         super().__init__()
         check_positive_int("vocab_size", vocab_size)
         check_positive_int("hidden_size", hidden_size)
@@ -229,10 +234,11 @@ class SpellingBeeEmbedding(nn.Module):
         check_choice("mode", mode, MODES)
         check_positive_float("initializer_range", initializer_range)
         check_backend(backend)
+        check_choice("validate_ids", validate_ids, (True, False))
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.rope_theta, self.byte_position_offset = float(rope_theta), byte_position_offset
         self.pad_mode, self.mode = pad_mode, mode
-        self.backend, self.check_ids = backend, check_ids
+        self.backend, self.validate_ids = backend, validate_ids
         self.byte_embed = nn.Embedding(256, hidden_size)
         nn.init.normal_(self.byte_embed.weight, std=initializer_range)
         self.register_buffer("byte_ids", torch.zeros(vocab_size, SLOTS, dtype=torch.int16))
@@ -307,11 +313,8 @@ class SpellingBeeEmbedding(nn.Module):
         if e_tok.dtype != weight.dtype and not torch.is_autocast_enabled(e_tok.device.type):
             raise DTypeError(f"`e_tok` has dtype {str(e_tok.dtype).replace('torch.', '')} but byte_embed is "
                              f"{str(weight.dtype).replace('torch.', '')}: cast the module or run under autocast")
-        check = self.check_ids if self.check_ids is not None else ids.device.type == "cpu"
-        if check and ids.numel() and not torch.compiler.is_compiling():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.vocab_size:
-                raise ConfigError(f"`ids` must be in [0, vocab_size={self.vocab_size}), got values in [{lo}, {hi}]")
+        if self.validate_ids:
+            check_token_ids("ids", ids, self.vocab_size)
 
     def forward(self, ids: torch.Tensor, e_tok: torch.Tensor) -> torch.Tensor:
         self._check(ids, e_tok)
@@ -319,7 +322,9 @@ class SpellingBeeEmbedding(nn.Module):
         if self.baked is not None:
             if self.training:
                 raise RuntimeError("SpellingBeeEmbedding is baked but in training mode; call unbake() first")
-            return (0.5 * (e_tok.float() + self.baked[ids].float())).to(e_tok.dtype)
+            valid = ids_in_range(ids, self.vocab_size)
+            s = nan_rows(self.baked[safe_ids(ids, valid)].float(), valid)
+            return (0.5 * (e_tok.float() + s)).to(e_tok.dtype)
         args = (ids, e_tok, self.byte_embed.weight, self.byte_ids, self.byte_len)
         if resolve_backend(self.backend, e_tok) == "triton":
             from laminae.triton_ops.spelling_bee import spelling_bee

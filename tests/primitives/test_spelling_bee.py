@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
+from laminae.primitives import ConfigError, DeviceError, DTypeError, LeviathanGenerator, ShapeError, TokenIdError
 from laminae.primitives.spelling_bee import (SpellingBeeEmbedding, byte_level_token_bytes, byte_table_from_strings,
                                              parameter_count, sentencepiece_piece_bytes, spelling_bee_reference,
                                              spelling_bee_rotary, spelling_vectors)
@@ -121,6 +121,34 @@ def test_gradcheck_reference_float64():
             (e_tok, byte_embed))
 
 
+def test_unchecked_out_of_range_ids_give_nan_rows():
+    """Without the id check (the default on every device) an id outside [0, V) gives a NaN
+    row, unbaked and baked alike, and the byte table's gradient stays finite."""
+    bee = _module()
+    ids = torch.tensor([[0, -1, 4], [12, 7, 40]])
+    valid = (ids >= 0) & (ids < 12)
+    e_tok = torch.randn(2, 3, 8, requires_grad=True)
+    out = bee(ids, e_tok)
+    assert torch.equal(out.isnan().all(-1), ~valid) and not out[valid].isnan().any()
+    torch.testing.assert_close(out[valid], bee(ids[valid], e_tok[valid]))
+    (grad,) = torch.autograd.grad(out[valid].sum(), bee.byte_embed.weight)
+    assert grad.isfinite().all()
+    bee.eval().bake_inference_table()
+    torch.testing.assert_close(bee(ids, e_tok), out, equal_nan=True)
+
+
+def test_one_error_class_for_out_of_range_ids():
+    bee = _module(validate_ids=True)
+    gen = LeviathanGenerator(vocab_size=12, hidden_size=8, seed_dim=4, num_modes=1, num_knots=4, rank=2,
+                             backend="reference", validate_ids=True)
+    for call in (lambda ids: bee(ids, torch.zeros(*ids.shape, 8)), gen):
+        with pytest.raises(TokenIdError, match=r"`\w*ids` must lie in \[0, vocab_size=12\), got 12"):
+            call(torch.tensor([0, 12]))
+        with pytest.raises(TokenIdError, match=r"got -1 \(2 of 3 ids out of range, values in \[-1, 15\]\)"):
+            call(torch.tensor([-1, 0, 15]))
+    assert issubclass(TokenIdError, (ValueError, IndexError))
+
+
 def test_bake_matches_unbaked_and_is_dropped_by_train():
     bee = _module().eval()
     ids = torch.tensor([[0, 3, 4, 7, 11]])
@@ -183,6 +211,7 @@ def test_forward_before_table_raises():
         (dict(mode="sum"), "mode"),
         (dict(rope_theta=-1.0), "rope_theta"),
         (dict(backend="cuda"), "backend"),
+        (dict(validate_ids=None), "validate_ids"),
     ],
 )
 def test_bad_config_raises(kwargs, match):
@@ -192,11 +221,11 @@ def test_bad_config_raises(kwargs, match):
 
 
 def test_bad_inputs_raise():
-    bee = _module()
+    bee = _module(validate_ids=True)
     e = torch.zeros(2, 8)
-    with pytest.raises(ConfigError, match=r"\[0, vocab_size=12\).*\[0, 12\]"):
+    with pytest.raises(TokenIdError, match=r"\[0, vocab_size=12\), got 12"):
         bee(torch.tensor([0, 12]), e)
-    with pytest.raises(ConfigError, match=r"\[-1, 0\]"):
+    with pytest.raises(ConfigError, match=r"got -1"):     # a TokenIdError is a ConfigError, as before
         bee(torch.tensor([-1, 0]), e)
     with pytest.raises(DTypeError, match="ids"):
         bee(torch.tensor([0.0, 1.0]), e)
