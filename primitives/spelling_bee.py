@@ -244,6 +244,9 @@ class SpellingBeeEmbedding(nn.Module):
         self.register_buffer("byte_ids", torch.zeros(vocab_size, SLOTS, dtype=torch.int16))
         self.register_buffer("byte_len", torch.zeros(vocab_size, dtype=torch.int16))
         self.register_buffer("table_ready", torch.tensor(False))
+        # the buffer carries the flag in checkpoints; forward reads this mirror, so it never
+        # reads a device tensor (a sync on a GPU, a graph break under torch.compile)
+        self._table_ready = False
         self.baked: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
@@ -263,6 +266,7 @@ class SpellingBeeEmbedding(nn.Module):
         self.byte_ids.copy_(byte_ids.to(torch.int16))
         self.byte_len.copy_(byte_len.to(torch.int16))
         self.table_ready.fill_(True)
+        self._table_ready = True
         self.unbake()
 
     def set_byte_table_from_strings(self, byte_strings: Sequence[bytes | str]) -> None:
@@ -296,8 +300,15 @@ class SpellingBeeEmbedding(nn.Module):
             self.unbake()  # a parameter update would make the bake stale
         return super().train(mode)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        flag = state_dict.get(prefix + "table_ready")
+        if isinstance(flag, torch.Tensor) and flag.device.type != "meta":
+            self._table_ready = bool(flag)
+            self.unbake()
+
     def _require_table(self) -> None:
-        if not bool(self.table_ready):
+        if not self._table_ready:
             raise RuntimeError("SpellingBeeEmbedding: the byte table is not set; call set_byte_table(...) or "
                                "set_byte_table_from_strings(...) once after construction")
 

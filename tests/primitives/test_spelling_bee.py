@@ -149,6 +149,21 @@ def test_one_error_class_for_out_of_range_ids():
     assert issubclass(TokenIdError, (ValueError, IndexError))
 
 
+def test_reference_compiles_with_fullgraph():
+    """torch.compile(fullgraph=True), forward and backward: the forward reads no device
+    tensor on the host (the table flag is a Python attribute)."""
+    bee = _module()
+    ids = torch.tensor([[0, 4, 11], [3, 7, 1]])
+    e_tok = torch.randn(2, 3, 8, requires_grad=True)
+    out = torch.compile(bee, fullgraph=True, backend="eager")(ids, e_tok)
+    grads = torch.autograd.grad(out.square().sum(), [e_tok, bee.byte_embed.weight])
+    eager = bee(ids, e_tok)
+    want = torch.autograd.grad(eager.square().sum(), [e_tok, bee.byte_embed.weight])
+    torch.testing.assert_close(out, eager)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref)
+
+
 def test_bake_matches_unbaked_and_is_dropped_by_train():
     bee = _module().eval()
     ids = torch.tensor([[0, 3, 4, 7, 11]])
