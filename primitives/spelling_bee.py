@@ -38,40 +38,46 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def spelling_bee_rotary(hidden_size: int, theta: float = 10000.0, byte_position_offset: int = 0,
-                        slots: int = SLOTS, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [slots, d/2] fp32 for p_i = i + offset and ω_j = θ^(−2j/d)."""
+                        slots: int = SLOTS, device=None,
+                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [slots, d/2] for p_i = i + offset and ω_j = θ^(−2j/d), computed in
+    fp64 and rounded once to ``dtype`` (fp32 for the kernels, fp64 for an fp64 reference)."""
     half = hidden_size // 2
     inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / hidden_size)
     angles = (torch.arange(slots, dtype=torch.float64) + byte_position_offset)[:, None] * inv_freq[None, :]
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 
 
-def slot_weights(byte_len: torch.Tensor, pad_mode: str, mode: str, slots: int = SLOTS) -> torch.Tensor:
-    """Weight of each slot [..., slots] fp32 given the real byte counts [...]."""
-    n = byte_len.to(torch.float32)[..., None]
+def slot_weights(byte_len: torch.Tensor, pad_mode: str, mode: str, slots: int = SLOTS,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Weight of each slot [..., slots] in ``dtype`` given the real byte counts [...]."""
+    n = byte_len.to(dtype)[..., None]
     real = torch.arange(slots, device=byte_len.device) < n
     if mode == "masked_sqrt":
         return torch.where(real, torch.rsqrt(n.clamp_min(1.0)), 0.0)
     if pad_mode == "zero":
-        return torch.where(real, 1.0 / slots, 0.0)
-    return torch.full(real.shape, 1.0 / slots, device=byte_len.device)
+        return torch.where(real, 1.0 / slots, 0.0).to(dtype)
+    return torch.full(real.shape, 1.0 / slots, dtype=dtype, device=byte_len.device)
 
 
 def spelling_vectors(token_ids: torch.Tensor, byte_embed: torch.Tensor, byte_ids: torch.Tensor,
                      byte_len: torch.Tensor, *, rope_theta: float = 10000.0, byte_position_offset: int = 0,
                      pad_mode: str = "embed", mode: str = "mean", upcast: bool = True) -> torch.Tensor:
-    """s(v) for the given token ids [...] → [..., d] (fp32 when ``upcast``, else byte_embed's dtype).
-    An id outside [0, V) gets a NaN row."""
+    """s(v) for the given token ids [...] → [..., d] (fp32, or fp64 for fp64 byte_embed, when
+    ``upcast``; else byte_embed's dtype). An id outside [0, V) gets a NaN row."""
     d = byte_embed.shape[1]
     compute = torch.promote_types(byte_embed.dtype, torch.float32) if upcast else byte_embed.dtype
-    cos, sin = spelling_bee_rotary(d, rope_theta, byte_position_offset, byte_ids.shape[1], byte_embed.device)
+    # rotation and slot weights at least as precise as fp32, fp64 for fp64 (fp32 tables cap fp64 at fp32 accuracy)
+    table_dtype = torch.promote_types(compute, torch.float32)
+    cos, sin = spelling_bee_rotary(d, rope_theta, byte_position_offset, byte_ids.shape[1], byte_embed.device,
+                                   table_dtype)
     cos, sin = cos.to(compute), sin.to(compute)
     valid = ids_in_range(token_ids, byte_ids.shape[0])
     token_ids = safe_ids(token_ids, valid)
     u = byte_embed.to(compute)[byte_ids[token_ids].long()]  # [..., 16, d]
     lo, hi = u[..., : d // 2], u[..., d // 2:]
     rotated = torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)
-    w = slot_weights(byte_len[token_ids], pad_mode, mode, byte_ids.shape[1]).to(compute)
+    w = slot_weights(byte_len[token_ids], pad_mode, mode, byte_ids.shape[1], table_dtype).to(compute)
     return nan_rows(torch.einsum("...i,...id->...d", w, rotated), valid)
 
 
@@ -276,7 +282,7 @@ class SpellingBeeEmbedding(nn.Module):
     # -- baked inference ----------------------------------------------------
     @torch.no_grad()
     def bake_inference_table(self) -> torch.Tensor:
-        """Precompute S = [s(v) for all v] ([V, d], fp32 math, stored in byte_embed's dtype);
+        """Precompute S = [s(v) for all v] ([V, d], fp32 math (fp64 for fp64), stored in byte_embed's dtype);
         forward becomes ½·(e_tok + S[ids]). Only in eval mode; ``train()`` drops it."""
         self._require_table()
         weight = self.byte_embed.weight
@@ -290,7 +296,8 @@ class SpellingBeeEmbedding(nn.Module):
         lookup ``E'[ids]`` and this module can be dropped from the inference graph."""
         check_tensor("embedding_weight", embedding_weight, shape=(self.vocab_size, self.hidden_size))
         baked = self.baked if self.baked is not None else self.bake_inference_table()
-        return (0.5 * (embedding_weight.float() + baked.float())).to(embedding_weight.dtype)
+        work = torch.promote_types(embedding_weight.dtype, torch.float32)
+        return (0.5 * (embedding_weight.to(work) + baked.to(work))).to(embedding_weight.dtype)
 
     def unbake(self) -> None:
         self.baked = None
@@ -333,9 +340,10 @@ class SpellingBeeEmbedding(nn.Module):
         if self.baked is not None:
             if self.training:
                 raise RuntimeError("SpellingBeeEmbedding is baked but in training mode; call unbake() first")
+            work = torch.promote_types(e_tok.dtype, torch.float32)
             valid = ids_in_range(ids, self.vocab_size)
-            s = nan_rows(self.baked[safe_ids(ids, valid)].float(), valid)
-            return (0.5 * (e_tok.float() + s)).to(e_tok.dtype)
+            s = nan_rows(self.baked[safe_ids(ids, valid)].to(work), valid)
+            return (0.5 * (e_tok.to(work) + s)).to(e_tok.dtype)
         args = (ids, e_tok, self.byte_embed.weight, self.byte_ids, self.byte_len)
         if resolve_backend(self.backend, e_tok) == "triton":
             from laminae.triton_ops.spelling_bee import spelling_bee

@@ -121,6 +121,39 @@ def test_gradcheck_reference_float64():
             (e_tok, byte_embed))
 
 
+@pytest.mark.parametrize("mode", ["masked_sqrt", "mean"])
+def test_float64_is_computed_in_float64(mode):
+    """fp64 inputs get fp64 slot weights and rotations: against a closed form in Python
+    doubles the error is at fp64 rounding, not at fp32's (1/√3 in fp32 is off by 3e-8)."""
+    d, theta = 4, 10000.0
+    byte_ids, byte_len = byte_table_from_strings([b"abc"])
+    byte_embed = torch.randn(256, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    e_tok = torch.zeros(1, d, dtype=torch.float64)
+    expected = [0.0] * d
+    weight = 1 / math.sqrt(3) if mode == "masked_sqrt" else 1 / 16
+    for i in range(16):
+        if mode == "masked_sqrt" and i >= 3:
+            break
+        u = byte_embed[int(byte_ids[0, i])].tolist()
+        for j in range(d // 2):
+            angle = i * theta ** (-2 * j / d)
+            expected[j] += 0.5 * weight * (u[j] * math.cos(angle) - u[j + d // 2] * math.sin(angle))
+            expected[j + d // 2] += 0.5 * weight * (u[j + d // 2] * math.cos(angle) + u[j] * math.sin(angle))
+    for upcast in (True, False):
+        out = spelling_bee_reference(torch.tensor([0]), e_tok, byte_embed, byte_ids, byte_len, mode=mode,
+                                     upcast=upcast)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out[0], torch.tensor(expected, dtype=torch.float64), rtol=1e-13, atol=1e-15)
+    bee = SpellingBeeEmbedding(1, d, mode=mode, backend="reference").double()
+    bee.set_byte_table(byte_ids, byte_len)
+    with torch.no_grad():
+        bee.byte_embed.weight.copy_(byte_embed)
+    unbaked = bee(torch.tensor([0]), e_tok)
+    bee.eval().bake_inference_table()
+    for got in (unbaked, bee(torch.tensor([0]), e_tok), bee.fold_into_embedding(e_tok)):
+        torch.testing.assert_close(got[0], torch.tensor(expected, dtype=torch.float64), rtol=1e-13, atol=1e-15)
+
+
 def test_unchecked_out_of_range_ids_give_nan_rows():
     """Without the id check (the default on every device) an id outside [0, V) gives a NaN
     row, unbaked and baked alike, and the byte table's gradient stays finite."""
