@@ -22,3 +22,8 @@ class ConfigError(ValueError):
 class BackendUnavailableError(RuntimeError):
     """The requested backend cannot run on these inputs (e.g. Triton on CPU
     without ``TRITON_INTERPRET=1``)."""
+
+
+class TokenIdError(ConfigError, IndexError):
+    """A token id lies outside ``[0, vocab_size)`` (raised only when the block's
+    ``validate_ids`` is on; also an ``IndexError``, as ``nn.Embedding`` raises)."""

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
-from ._errors import ConfigError, DTypeError, ShapeError
+from ._errors import ConfigError, DTypeError, ShapeError, TokenIdError
+from ._token_ids import check_token_ids, ids_in_range, nan_rows, safe_ids
 from ._validation import check_choice, check_keep_mask, check_positive_int, check_same_device, check_tensor
 
 __all__ = [
@@ -42,16 +43,22 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-class TokenIdError(ConfigError, IndexError):
-    """A token id lies outside ``[0, vocab_size)`` (an ``IndexError`` as in ``nn.Embedding``)."""
-
-
 def leviathan_base(vocab_size: int, num_coords: int) -> int:
     """b = ceil(V^(1/k)) in IEEE double, the formula NeoLLM checkpoints are shaped by."""
     base = math.ceil(vocab_size ** (1.0 / num_coords))
     if base**num_coords < vocab_size:  # cannot happen for the ceil formula; kept as a guard
         raise ConfigError(f"base {base}^{num_coords} = {base**num_coords} < vocab_size {vocab_size}")
     return base
+
+
+def leviathan_id_bound(vocab_size: int | None, base: int, num_coords: int) -> int:
+    """The ids a generator embeds are ``[0, bound)``: ``vocab_size``, or b^k when it is None."""
+    if vocab_size is None:
+        return base**num_coords
+    if not (isinstance(vocab_size, int) and 1 <= vocab_size <= base**num_coords):
+        raise ConfigError(f"`vocab_size` must be an int in [1, b^k = {base**num_coords}] for codebooks of base "
+                          f"{base} and {num_coords} digits, got {vocab_size!r}")
+    return vocab_size
 
 
 def leviathan_digits(ids: torch.Tensor, base: int, num_coords: int) -> torch.Tensor:
@@ -93,16 +100,19 @@ def leviathan_reference(
     head_out_weight: torch.Tensor,
     knot_grid: torch.Tensor | None = None,
     *,
+    vocab_size: int | None = None,
     upcast: bool = True,
 ) -> torch.Tensor:
     """Reference Leviathan generator.
 
     Args:
-        input_ids: integer ids of any shape ``[*]``, each in ``[0, b^k)``.
+        input_ids: integer ids of any shape ``[*]``; an id outside ``[0, vocab_size)``
+            gives a NaN row (no gradient flows through it).
         codebooks: ``[k, b, d]``; head_proj_weight ``[h, d, d]`` (applied as ``z·W_lᵀ``);
             head_norm_weight, head_norm_bias ``[h, d]``; head_spline_delta ``[h, d, κ, r]``;
             head_out_weight ``[h, r, D]``; all in the model dtype.
         knot_grid: ``[κ]`` knots (default: ``linspace(0, 1, κ)`` in the working dtype).
+        vocab_size: V (default b^k, every id the digits can represent).
         upcast: ``True`` (the ground truth) sums the seed and the output in the working
             dtype (fp32, or fp64 for fp64 parameters) and casts once at the end.
             ``False`` follows NeoLLM's dtype flow: the seed summed and projected in the
@@ -115,7 +125,8 @@ def leviathan_reference(
     num_modes, _, num_knots, rank = head_spline_delta.shape
     dtype = codebooks.dtype
     work = _working_dtype(codebooks, head_proj_weight, head_norm_weight, head_spline_delta, head_out_weight)
-    coords = leviathan_digits(input_ids.reshape(-1), base, num_coords)             # [N, k]
+    valid = ids_in_range(input_ids.reshape(-1), leviathan_id_bound(vocab_size, base, num_coords))
+    coords = leviathan_digits(safe_ids(input_ids.reshape(-1), valid), base, num_coords)  # [N, k]
     seed_dtype = work if upcast else dtype
     z = torch.zeros(coords.shape[0], codebooks.shape[-1], dtype=seed_dtype, device=codebooks.device)
     for i in range(num_coords):
@@ -137,7 +148,7 @@ def leviathan_reference(
         out = torch.zeros(m.shape[0], head_out_weight.shape[-1], dtype=dtype, device=m.device)
         for mode in range(num_modes):
             out = out + m[:, mode].to(dtype) @ head_out_weight[mode]
-    return out.reshape(*input_ids.shape, head_out_weight.shape[-1])
+    return nan_rows(out, valid).reshape(*input_ids.shape, head_out_weight.shape[-1])
 
 
 def leviathan_kwargs_from_config(config: dict) -> dict:
@@ -171,8 +182,9 @@ class LeviathanGenerator(nn.Module):
         unique_ids: evaluate the generator once per distinct id of a call (sync-free;
             see the docs page) rather than once per token. Same result either way.
         backend: "auto" | "triton" | "reference".
-        validate_ids: raise :class:`TokenIdError` for ids outside ``[0, V)``. ``None``
-            (default) checks on CPU only, since on a GPU reading the ids is a device sync.
+        validate_ids: read the ids and raise :class:`TokenIdError` for any outside
+            ``[0, V)`` (on a GPU a device sync per call). ``False`` (default, every
+            device): no check, such ids give NaN rows on every backend.
 
     Shapes: ``input_ids`` integer ``[*]`` (typically ``[batch, seq]``) → ``[*, D]`` in
     the parameter dtype. Autocast does not change it (as for ``nn.Embedding``).
@@ -198,7 +210,7 @@ class LeviathanGenerator(nn.Module):
         initializer_range: float = 0.02,
         unique_ids: bool = True,
         backend: Backend = "auto",
-        validate_ids: bool | None = None,
+        validate_ids: bool = False,
         device=None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -215,6 +227,7 @@ class LeviathanGenerator(nn.Module):
             raise ConfigError(f"`initializer_range` must be a number >= 0, got {initializer_range!r}")
         check_backend(backend)
         check_choice("unique_ids", unique_ids, (True, False))
+        check_choice("validate_ids", validate_ids, (True, False))
         if dtype is not None and dtype not in PARAM_DTYPES:
             raise DTypeError(f"`dtype` must be one of fp32/bf16/fp16/fp64, got {dtype}")
         self.vocab_size, self.hidden_size, self.seed_dim = vocab_size, hidden_size, seed_dim
@@ -271,18 +284,6 @@ class LeviathanGenerator(nn.Module):
         return (self.codebooks, self.head_proj_weight, self.head_norm_weight, self.head_norm_bias,
                 self.head_spline_delta, self.head_out_weight)
 
-    def _check_ids(self, input_ids: torch.Tensor, keep: torch.Tensor | None) -> None:
-        check = self.validate_ids if self.validate_ids is not None else input_ids.device.type == "cpu"
-        if not check or input_ids.numel() == 0 or torch.compiler.is_compiling():
-            return
-        bad = (input_ids < 0) | (input_ids >= self.vocab_size)
-        if keep is not None:
-            bad &= keep.bool()
-        if bool(bad.any()):
-            first = input_ids[bad][0].item()
-            raise TokenIdError(f"`input_ids` must lie in [0, vocab_size={self.vocab_size}), got {first} "
-                               f"({int(bad.sum())} ids out of range)")
-
     def _resolve(self, input_ids: torch.Tensor) -> str:
         backend = resolve_backend(self.backend, input_ids, self.codebooks)
         if backend != "triton":
@@ -324,7 +325,8 @@ class LeviathanGenerator(nn.Module):
                                  f"{tuple(input_ids.shape)}")
             keep = check_keep_mask("attention_mask", attention_mask, *input_ids.shape).bool()
             check_same_device(input_ids=input_ids, attention_mask=keep)
-        self._check_ids(input_ids, keep)
+        if self.validate_ids:
+            check_token_ids("input_ids", input_ids, self.vocab_size, keep)
         if self.knot_grid.shape != (self.num_knots,):
             raise ShapeError(f"`knot_grid` must have shape ({self.num_knots},), got {tuple(self.knot_grid.shape)}")
         ids = input_ids if keep is None else torch.where(keep, input_ids, torch.zeros_like(input_ids))
@@ -334,9 +336,10 @@ class LeviathanGenerator(nn.Module):
             if self._resolve(ids) == "triton":
                 from laminae.triton_ops.leviathan import leviathan
 
-                out = leviathan(ids, *self._params(), self.knot_grid, unique_ids=self.unique_ids)
+                out = leviathan(ids, *self._params(), self.knot_grid, vocab_size=self.vocab_size,
+                                unique_ids=self.unique_ids)
             else:
-                out = leviathan_reference(ids, *self._params(), self.knot_grid)
+                out = leviathan_reference(ids, *self._params(), self.knot_grid, vocab_size=self.vocab_size)
         if keep is not None:
             out = torch.where(keep.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
         return out

@@ -22,6 +22,7 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
+from ._token_ids import check_token_ids, ids_in_range, nan_rows, safe_ids
 from ._validation import check_choice, check_positive_float, check_positive_int, check_same_device, check_tensor
 
 __all__ = [
@@ -37,38 +38,47 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 def spelling_bee_rotary(hidden_size: int, theta: float = 10000.0, byte_position_offset: int = 0,
-                        slots: int = SLOTS, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [slots, d/2] fp32 for p_i = i + offset and ω_j = θ^(−2j/d)."""
+                        slots: int = SLOTS, device=None,
+                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables [slots, d/2] for p_i = i + offset and ω_j = θ^(−2j/d), computed in
+    fp64 and rounded once to ``dtype`` (fp32 for the kernels, fp64 for an fp64 reference)."""
     half = hidden_size // 2
     inv_freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2.0 / hidden_size)
     angles = (torch.arange(slots, dtype=torch.float64) + byte_position_offset)[:, None] * inv_freq[None, :]
-    return angles.cos().float().to(device), angles.sin().float().to(device)
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 
 
-def slot_weights(byte_len: torch.Tensor, pad_mode: str, mode: str, slots: int = SLOTS) -> torch.Tensor:
-    """Weight of each slot [..., slots] fp32 given the real byte counts [...]."""
-    n = byte_len.to(torch.float32)[..., None]
+def slot_weights(byte_len: torch.Tensor, pad_mode: str, mode: str, slots: int = SLOTS,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Weight of each slot [..., slots] in ``dtype`` given the real byte counts [...]."""
+    n = byte_len.to(dtype)[..., None]
     real = torch.arange(slots, device=byte_len.device) < n
     if mode == "masked_sqrt":
         return torch.where(real, torch.rsqrt(n.clamp_min(1.0)), 0.0)
     if pad_mode == "zero":
-        return torch.where(real, 1.0 / slots, 0.0)
-    return torch.full(real.shape, 1.0 / slots, device=byte_len.device)
+        return torch.where(real, 1.0 / slots, 0.0).to(dtype)
+    return torch.full(real.shape, 1.0 / slots, dtype=dtype, device=byte_len.device)
 
 
 def spelling_vectors(token_ids: torch.Tensor, byte_embed: torch.Tensor, byte_ids: torch.Tensor,
                      byte_len: torch.Tensor, *, rope_theta: float = 10000.0, byte_position_offset: int = 0,
                      pad_mode: str = "embed", mode: str = "mean", upcast: bool = True) -> torch.Tensor:
-    """s(v) for the given token ids [...] → [..., d] (fp32 when ``upcast``, else byte_embed's dtype)."""
+    """s(v) for the given token ids [...] → [..., d] (fp32, or fp64 for fp64 byte_embed, when
+    ``upcast``; else byte_embed's dtype). An id outside [0, V) gets a NaN row."""
     d = byte_embed.shape[1]
     compute = torch.promote_types(byte_embed.dtype, torch.float32) if upcast else byte_embed.dtype
-    cos, sin = spelling_bee_rotary(d, rope_theta, byte_position_offset, byte_ids.shape[1], byte_embed.device)
+    # rotation and slot weights at least as precise as fp32, fp64 for fp64 (fp32 tables cap fp64 at fp32 accuracy)
+    table_dtype = torch.promote_types(compute, torch.float32)
+    cos, sin = spelling_bee_rotary(d, rope_theta, byte_position_offset, byte_ids.shape[1], byte_embed.device,
+                                   table_dtype)
     cos, sin = cos.to(compute), sin.to(compute)
+    valid = ids_in_range(token_ids, byte_ids.shape[0])
+    token_ids = safe_ids(token_ids, valid)
     u = byte_embed.to(compute)[byte_ids[token_ids].long()]  # [..., 16, d]
     lo, hi = u[..., : d // 2], u[..., d // 2:]
     rotated = torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)
-    w = slot_weights(byte_len[token_ids], pad_mode, mode, byte_ids.shape[1]).to(compute)
-    return torch.einsum("...i,...id->...d", w, rotated)
+    w = slot_weights(byte_len[token_ids], pad_mode, mode, byte_ids.shape[1], table_dtype).to(compute)
+    return nan_rows(torch.einsum("...i,...id->...d", w, rotated), valid)
 
 
 def spelling_bee_reference(
@@ -87,7 +97,8 @@ def spelling_bee_reference(
     """e_bee = ½·(e_tok + s(ids)).
 
     Args:
-        ids: token ids ``[...]`` (e.g. ``[batch, seq]``), integer, in [0, V).
+        ids: token ids ``[...]`` (e.g. ``[batch, seq]``), integer, in [0, V); an id
+            outside gives a NaN row (its e_tok still receives ½ of the gradient).
         e_tok: token embeddings ``[..., d]`` for the same ids (dense row or Leviathan output).
         byte_embed: ``[256, d]`` byte table, d even.
         byte_ids: ``[V, 16]`` integer bytes of every vocabulary entry (pad 0).
@@ -196,9 +207,9 @@ class SpellingBeeEmbedding(nn.Module):
         mode: "mean" (fixed 1/16 mean; default) or "masked_sqrt" (1/√n over real bytes).
         initializer_range: std of the byte table init (0.02).
         backend: "auto" | "triton" | "reference".
-        check_ids: check ids are in [0, V). ``None`` (default) checks on CPU only: on a
-            GPU the check synchronises the device every call (the kernels mask
-            out-of-range ids, which then get s = 0).
+        validate_ids: read the ids and raise :class:`TokenIdError` for any outside
+            [0, V) (on a GPU a device sync per call). ``False`` (default, every device):
+            no check, such ids give NaN rows on every backend.
 
     Parameters: ``byte_embed.weight`` [256, d] (the only one: 256·d). Buffers:
     ``byte_ids`` [V, 16] int16, ``byte_len`` [V] int16, ``table_ready`` (persistent, so a
@@ -217,7 +228,7 @@ class SpellingBeeEmbedding(nn.Module):
 
     def __init__(self, vocab_size: int, hidden_size: int, rope_theta: float = 10000.0,
                  byte_position_offset: int = 0, pad_mode: str = "embed", mode: str = "mean",
-                 initializer_range: float = 0.02, backend: Backend = "auto", check_ids: bool | None = None) -> None:
+                 initializer_range: float = 0.02, backend: Backend = "auto", validate_ids: bool = False) -> None:
         super().__init__()
         check_positive_int("vocab_size", vocab_size)
         check_positive_int("hidden_size", hidden_size)
@@ -229,15 +240,19 @@ class SpellingBeeEmbedding(nn.Module):
         check_choice("mode", mode, MODES)
         check_positive_float("initializer_range", initializer_range)
         check_backend(backend)
+        check_choice("validate_ids", validate_ids, (True, False))
         self.vocab_size, self.hidden_size = vocab_size, hidden_size
         self.rope_theta, self.byte_position_offset = float(rope_theta), byte_position_offset
         self.pad_mode, self.mode = pad_mode, mode
-        self.backend, self.check_ids = backend, check_ids
+        self.backend, self.validate_ids = backend, validate_ids
         self.byte_embed = nn.Embedding(256, hidden_size)
         nn.init.normal_(self.byte_embed.weight, std=initializer_range)
         self.register_buffer("byte_ids", torch.zeros(vocab_size, SLOTS, dtype=torch.int16))
         self.register_buffer("byte_len", torch.zeros(vocab_size, dtype=torch.int16))
         self.register_buffer("table_ready", torch.tensor(False))
+        # the buffer carries the flag in checkpoints; forward reads this mirror, so it never
+        # reads a device tensor (a sync on a GPU, a graph break under torch.compile)
+        self._table_ready = False
         self.baked: torch.Tensor | None = None
 
     def extra_repr(self) -> str:
@@ -257,6 +272,7 @@ class SpellingBeeEmbedding(nn.Module):
         self.byte_ids.copy_(byte_ids.to(torch.int16))
         self.byte_len.copy_(byte_len.to(torch.int16))
         self.table_ready.fill_(True)
+        self._table_ready = True
         self.unbake()
 
     def set_byte_table_from_strings(self, byte_strings: Sequence[bytes | str]) -> None:
@@ -266,7 +282,7 @@ class SpellingBeeEmbedding(nn.Module):
     # -- baked inference ----------------------------------------------------
     @torch.no_grad()
     def bake_inference_table(self) -> torch.Tensor:
-        """Precompute S = [s(v) for all v] ([V, d], fp32 math, stored in byte_embed's dtype);
+        """Precompute S = [s(v) for all v] ([V, d], fp32 math (fp64 for fp64), stored in byte_embed's dtype);
         forward becomes ½·(e_tok + S[ids]). Only in eval mode; ``train()`` drops it."""
         self._require_table()
         weight = self.byte_embed.weight
@@ -280,7 +296,8 @@ class SpellingBeeEmbedding(nn.Module):
         lookup ``E'[ids]`` and this module can be dropped from the inference graph."""
         check_tensor("embedding_weight", embedding_weight, shape=(self.vocab_size, self.hidden_size))
         baked = self.baked if self.baked is not None else self.bake_inference_table()
-        return (0.5 * (embedding_weight.float() + baked.float())).to(embedding_weight.dtype)
+        work = torch.promote_types(embedding_weight.dtype, torch.float32)
+        return (0.5 * (embedding_weight.to(work) + baked.to(work))).to(embedding_weight.dtype)
 
     def unbake(self) -> None:
         self.baked = None
@@ -290,8 +307,15 @@ class SpellingBeeEmbedding(nn.Module):
             self.unbake()  # a parameter update would make the bake stale
         return super().train(mode)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        flag = state_dict.get(prefix + "table_ready")
+        if isinstance(flag, torch.Tensor) and flag.device.type != "meta":
+            self._table_ready = bool(flag)
+            self.unbake()
+
     def _require_table(self) -> None:
-        if not bool(self.table_ready):
+        if not self._table_ready:
             raise RuntimeError("SpellingBeeEmbedding: the byte table is not set; call set_byte_table(...) or "
                                "set_byte_table_from_strings(...) once after construction")
 
@@ -307,11 +331,8 @@ class SpellingBeeEmbedding(nn.Module):
         if e_tok.dtype != weight.dtype and not torch.is_autocast_enabled(e_tok.device.type):
             raise DTypeError(f"`e_tok` has dtype {str(e_tok.dtype).replace('torch.', '')} but byte_embed is "
                              f"{str(weight.dtype).replace('torch.', '')}: cast the module or run under autocast")
-        check = self.check_ids if self.check_ids is not None else ids.device.type == "cpu"
-        if check and ids.numel() and not torch.compiler.is_compiling():
-            lo, hi = int(ids.min()), int(ids.max())
-            if lo < 0 or hi >= self.vocab_size:
-                raise ConfigError(f"`ids` must be in [0, vocab_size={self.vocab_size}), got values in [{lo}, {hi}]")
+        if self.validate_ids:
+            check_token_ids("ids", ids, self.vocab_size)
 
     def forward(self, ids: torch.Tensor, e_tok: torch.Tensor) -> torch.Tensor:
         self._check(ids, e_tok)
@@ -319,7 +340,10 @@ class SpellingBeeEmbedding(nn.Module):
         if self.baked is not None:
             if self.training:
                 raise RuntimeError("SpellingBeeEmbedding is baked but in training mode; call unbake() first")
-            return (0.5 * (e_tok.float() + self.baked[ids].float())).to(e_tok.dtype)
+            work = torch.promote_types(e_tok.dtype, torch.float32)
+            valid = ids_in_range(ids, self.vocab_size)
+            s = nan_rows(self.baked[safe_ids(ids, valid)].to(work), valid)
+            return (0.5 * (e_tok.to(work) + s)).to(e_tok.dtype)
         args = (ids, e_tok, self.byte_embed.weight, self.byte_ids, self.byte_len)
         if resolve_backend(self.backend, e_tok) == "triton":
             from laminae.triton_ops.spelling_bee import spelling_bee

@@ -25,7 +25,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from laminae.primitives._errors import ConfigError, DTypeError
-from laminae.primitives.leviathan import TRITON_MAX_KNOTS, TRITON_MAX_RANK, leviathan_digits
+from laminae.primitives._token_ids import ids_in_range, nan_rows, safe_ids
+from laminae.primitives.leviathan import TRITON_MAX_KNOTS, TRITON_MAX_RANK, leviathan_digits, leviathan_id_bound
 
 from ._common import StaticCase, empty, empty_like
 
@@ -330,10 +331,12 @@ def leviathan(
     head_out_weight: torch.Tensor,
     knot_grid: torch.Tensor | None = None,
     *,
+    vocab_size: int | None = None,
     unique_ids: bool = True,
 ) -> torch.Tensor:
     """Triton Leviathan generator with the signature of
-    :func:`laminae.primitives.leviathan.leviathan_reference` (ids must lie in ``[0, b^k)``).
+    :func:`laminae.primitives.leviathan.leviathan_reference`: an id outside
+    ``[0, vocab_size)`` (default b^k) gives a NaN row, without reading the ids on the host.
 
     ``unique_ids=True`` evaluates each distinct id of the call once (sync-free; see
     :func:`distinct_ids`), ``False`` evaluates every token. Parameters fp32/bf16/fp16;
@@ -353,11 +356,15 @@ def leviathan(
     shape = input_ids.shape
     flat = input_ids.reshape(-1).long()
     n = flat.numel()
+    vocab_size = leviathan_id_bound(vocab_size, base, num_coords)
+    # out-of-range ids are evaluated as id 0 (keeping the distinct-id bound) and their rows set to NaN
+    valid = ids_in_range(flat, vocab_size)
+    flat = safe_ids(flat, valid)
     if knot_grid is None:
         knot_grid = torch.linspace(0.0, 1.0, num_knots, device=codebooks.device)
     grid = knot_grid.to(torch.float32).contiguous()
     if unique_ids and n > 1:
-        rows, slot, count = distinct_ids(flat, min(n, base**num_coords))
+        rows, slot, count = distinct_ids(flat, min(n, vocab_size))
     else:
         rows, slot, count = flat, None, torch.full((1,), n, dtype=torch.int32, device=flat.device)
     coords = leviathan_digits(rows, base, num_coords)
@@ -372,7 +379,7 @@ def leviathan(
                                head_spline_delta.contiguous(), grid, count)
     table = m.to(dtype) @ head_out_weight.reshape(num_modes * rank, hidden)          # [U, D], fp32 accumulation
     out = table if slot is None else table[slot]
-    return out.reshape(*shape, hidden)
+    return nan_rows(out, valid).reshape(*shape, hidden)
 
 
 def static_cases() -> Iterator[StaticCase]:

@@ -4,7 +4,8 @@ Forward ``_bee_fwd_kernel``, grid (N/BLOCK_T, (d/2)/BLOCK_J): each program takes
 tokens and BLOCK_J rotary pairs (columns j and j + d/2). For each of the 16 slots it
 loads the tokens' byte codes from ``byte_ids[id]``, gathers the two halves of those
 ``byte_embed`` rows, rotates them with the slot's cos/sin (a [16, d/2] fp32 table) and
-accumulates in fp32; then writes ½·(e_tok + s). Memory-bound: ``byte_embed`` is 256
+accumulates in fp32; then writes ½·(e_tok + s), with s = NaN for an id outside [0, V)
+(the tables are never read at such an id). Memory-bound: ``byte_embed`` is 256
 rows and stays in L2, so the traffic is ids, e_tok and the output.
 
 Backward ``_bee_bwd_kernel``: d byte_embed[c] = ½·Σ_{n,i: code(n,i)=c} w(n,i)·R_{−p_i}·g_n.
@@ -19,7 +20,8 @@ element is owned by exactly one program per token slice; the slices' fp32 partia
 The matmul does 2·256·16·N·d FLOPs (69 GFLOP at N = 16k, d = 512: tensor-core work
 for bf16); no sort, no data-dependent shape, no host sync.
 
-``d e_tok = ½·g`` is a scale left to torch. Saved for backward: nothing but the ids
+``d e_tok = ½·g`` is a scale left to torch (also for out-of-range ids: their NaN comes from
+s, which adds nothing to the byte table's gradient). Saved for backward: nothing but the ids
 (the byte table, lengths and rotary table are buffers or recomputed).
 """
 from __future__ import annotations
@@ -74,8 +76,9 @@ def _bee_fwd_kernel(ids_ptr, etok_ptr, emb_ptr, bytes_ptr, len_ptr, cos_ptr, sin
     cols = tl.program_id(1) * BLOCK_J + tl.arange(0, BLOCK_J)
     col_mask = cols < HALF
     tok = tl.load(ids_ptr + rows, mask=rows < N, other=0).to(tl.int64)
-    # out-of-range ids (only possible when the caller skipped the id check) read nothing: s = 0
-    valid = (rows < N) & (tok >= 0) & (tok < V)
+    # out-of-range ids (possible when the id check is off) read nothing and get s = NaN below
+    in_vocab = (tok >= 0) & (tok < V)
+    valid = (rows < N) & in_vocab
     n_real = tl.load(len_ptr + tok, mask=valid, other=0).to(tl.float32)
     mask = valid[:, None] & col_mask[None, :]
     d = 2 * HALF
@@ -91,6 +94,8 @@ def _bee_fwd_kernel(ids_ptr, etok_ptr, emb_ptr, bytes_ptr, len_ptr, cos_ptr, sin
         w = _slot_weight(n_real, slot, SLOTS, MODE)[:, None]
         acc_lo += w * (u_lo * c - u_hi * s)
         acc_hi += w * (u_hi * c + u_lo * s)
+    acc_lo = tl.where(in_vocab[:, None], acc_lo, float("nan"))
+    acc_hi = tl.where(in_vocab[:, None], acc_hi, float("nan"))
     out_mask = (rows < N)[:, None] & col_mask[None, :]
     offs = rows[:, None] * d + cols[None, :]
     e_lo = tl.load(etok_ptr + offs, mask=out_mask, other=0.0).to(tl.float32)

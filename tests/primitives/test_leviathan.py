@@ -232,7 +232,7 @@ def test_kwargs_from_neollm_config():
 @pytest.mark.parametrize("kwargs", [
     dict(spline_degree=3), dict(num_knots=1), dict(num_knots=0), dict(seed_dim=0), dict(num_modes=0),
     dict(rank=0), dict(hidden_size=0), dict(num_coords=0), dict(vocab_size=0), dict(backend="cuda"),
-    dict(unique_ids="yes"), dict(initializer_range=-1.0),
+    dict(unique_ids="yes"), dict(initializer_range=-1.0), dict(validate_ids=None),
 ])
 def test_bad_config_raises(kwargs):
     with pytest.raises(ConfigError):
@@ -240,13 +240,14 @@ def test_bad_config_raises(kwargs):
 
 
 def test_bad_ids_raise_named_errors():
-    gen = _tiny(torch.float32)                    # V = 30, b = 6: ids 30..35 are representable, not vocabulary
+    gen = _tiny(torch.float32, validate_ids=True)  # V = 30, b = 6: ids 30..35 are representable, not vocabulary
     with pytest.raises(TokenIdError, match=r"\[0, vocab_size=30\), got -1"):
         gen(torch.tensor([1, -1]))
     with pytest.raises(TokenIdError, match="got 30"):
         gen(torch.tensor([30]))
     with pytest.raises(IndexError):
         gen(torch.tensor([36]))
+    gen(torch.tensor([[1, 36]]), attention_mask=torch.tensor([[1, 0]]))   # a padded position is never checked
     with pytest.raises(DTypeError, match="input_ids"):
         gen(torch.tensor([1.0, 2.0]))
     with pytest.raises(DTypeError, match="input_ids"):
@@ -255,6 +256,42 @@ def test_bad_ids_raise_named_errors():
         gen([1, 2])
     with pytest.raises(DeviceError):
         gen(torch.tensor([1], device="meta"))
+
+
+def test_unchecked_out_of_range_ids_give_nan_rows():
+    """Without the id check (the default on every device) an id outside [0, V) cannot pass
+    for an ordinary embedding: its row is NaN, every other row is what the id gives alone,
+    and the parameters' gradient through the valid rows stays finite."""
+    gen = _tiny(torch.float32)
+    ids = torch.tensor([[1, -1, 30, 35], [36, 2, 29, -7]])   # 30..35: representable by the digits, not vocabulary
+    valid = (ids >= 0) & (ids < 30)
+    out = gen(ids)
+    assert torch.equal(out.isnan().all(-1), ~valid) and not out[valid].isnan().any()
+    torch.testing.assert_close(out[valid], gen(ids[valid]))
+    grads = torch.autograd.grad(out[valid].sum(), list(gen.parameters()))
+    assert all(g.isfinite().all() for g in grads)
+    masked = gen(ids, attention_mask=valid)                  # padded positions give zero rows, not NaN
+    assert torch.equal(masked[~valid], torch.zeros_like(masked[~valid]))
+    ref = leviathan_reference(ids, *gen._params(), gen.knot_grid)       # the functional default range is b^k
+    assert torch.equal(ref.isnan().all(-1), (ids < 0) | (ids >= 36))
+    with pytest.raises(ConfigError, match="vocab_size"):
+        leviathan_reference(ids, *gen._params(), gen.knot_grid, vocab_size=37)
+
+
+def test_reference_compiles_with_fullgraph_and_keeps_the_nan_rows():
+    """torch.compile(fullgraph=True), forward and backward: no host read of the ids (the
+    check is skipped while tracing, so an out-of-range id still gives its NaN row)."""
+    gen = _tiny(torch.float32, validate_ids=True)
+    ids = torch.tensor([[1, 30, 2], [2, 2, -1]])
+    valid = (ids >= 0) & (ids < 30)
+    out = torch.compile(gen, fullgraph=True, backend="eager")(ids)
+    grads = torch.autograd.grad(out[valid].square().sum(), list(gen.parameters()))
+    eager = gen(ids[valid])
+    want = torch.autograd.grad(eager.square().sum(), list(gen.parameters()))
+    assert torch.equal(out.isnan().all(-1), ~valid)
+    torch.testing.assert_close(out[valid], eager)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref)
 
 
 def test_bad_mask_and_buffers_raise_named_errors():

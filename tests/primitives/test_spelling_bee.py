@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
+from laminae.primitives import ConfigError, DeviceError, DTypeError, LeviathanGenerator, ShapeError, TokenIdError
 from laminae.primitives.spelling_bee import (SpellingBeeEmbedding, byte_level_token_bytes, byte_table_from_strings,
                                              parameter_count, sentencepiece_piece_bytes, spelling_bee_reference,
                                              spelling_bee_rotary, spelling_vectors)
@@ -121,6 +121,82 @@ def test_gradcheck_reference_float64():
             (e_tok, byte_embed))
 
 
+@pytest.mark.parametrize("mode", ["masked_sqrt", "mean"])
+def test_float64_is_computed_in_float64(mode):
+    """fp64 inputs get fp64 slot weights and rotations: against a closed form in Python
+    doubles the error is at fp64 rounding, not at fp32's (1/√3 in fp32 is off by 3e-8)."""
+    d, theta = 4, 10000.0
+    byte_ids, byte_len = byte_table_from_strings([b"abc"])
+    byte_embed = torch.randn(256, d, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    e_tok = torch.zeros(1, d, dtype=torch.float64)
+    expected = [0.0] * d
+    weight = 1 / math.sqrt(3) if mode == "masked_sqrt" else 1 / 16
+    for i in range(16):
+        if mode == "masked_sqrt" and i >= 3:
+            break
+        u = byte_embed[int(byte_ids[0, i])].tolist()
+        for j in range(d // 2):
+            angle = i * theta ** (-2 * j / d)
+            expected[j] += 0.5 * weight * (u[j] * math.cos(angle) - u[j + d // 2] * math.sin(angle))
+            expected[j + d // 2] += 0.5 * weight * (u[j + d // 2] * math.cos(angle) + u[j] * math.sin(angle))
+    for upcast in (True, False):
+        out = spelling_bee_reference(torch.tensor([0]), e_tok, byte_embed, byte_ids, byte_len, mode=mode,
+                                     upcast=upcast)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out[0], torch.tensor(expected, dtype=torch.float64), rtol=1e-13, atol=1e-15)
+    bee = SpellingBeeEmbedding(1, d, mode=mode, backend="reference").double()
+    bee.set_byte_table(byte_ids, byte_len)
+    with torch.no_grad():
+        bee.byte_embed.weight.copy_(byte_embed)
+    unbaked = bee(torch.tensor([0]), e_tok)
+    bee.eval().bake_inference_table()
+    for got in (unbaked, bee(torch.tensor([0]), e_tok), bee.fold_into_embedding(e_tok)):
+        torch.testing.assert_close(got[0], torch.tensor(expected, dtype=torch.float64), rtol=1e-13, atol=1e-15)
+
+
+def test_unchecked_out_of_range_ids_give_nan_rows():
+    """Without the id check (the default on every device) an id outside [0, V) gives a NaN
+    row, unbaked and baked alike, and the byte table's gradient stays finite."""
+    bee = _module()
+    ids = torch.tensor([[0, -1, 4], [12, 7, 40]])
+    valid = (ids >= 0) & (ids < 12)
+    e_tok = torch.randn(2, 3, 8, requires_grad=True)
+    out = bee(ids, e_tok)
+    assert torch.equal(out.isnan().all(-1), ~valid) and not out[valid].isnan().any()
+    torch.testing.assert_close(out[valid], bee(ids[valid], e_tok[valid]))
+    (grad,) = torch.autograd.grad(out[valid].sum(), bee.byte_embed.weight)
+    assert grad.isfinite().all()
+    bee.eval().bake_inference_table()
+    torch.testing.assert_close(bee(ids, e_tok), out, equal_nan=True)
+
+
+def test_one_error_class_for_out_of_range_ids():
+    bee = _module(validate_ids=True)
+    gen = LeviathanGenerator(vocab_size=12, hidden_size=8, seed_dim=4, num_modes=1, num_knots=4, rank=2,
+                             backend="reference", validate_ids=True)
+    for call in (lambda ids: bee(ids, torch.zeros(*ids.shape, 8)), gen):
+        with pytest.raises(TokenIdError, match=r"`\w*ids` must lie in \[0, vocab_size=12\), got 12"):
+            call(torch.tensor([0, 12]))
+        with pytest.raises(TokenIdError, match=r"got -1 \(2 of 3 ids out of range, values in \[-1, 15\]\)"):
+            call(torch.tensor([-1, 0, 15]))
+    assert issubclass(TokenIdError, (ValueError, IndexError))
+
+
+def test_reference_compiles_with_fullgraph():
+    """torch.compile(fullgraph=True), forward and backward: the forward reads no device
+    tensor on the host (the table flag is a Python attribute)."""
+    bee = _module()
+    ids = torch.tensor([[0, 4, 11], [3, 7, 1]])
+    e_tok = torch.randn(2, 3, 8, requires_grad=True)
+    out = torch.compile(bee, fullgraph=True, backend="eager")(ids, e_tok)
+    grads = torch.autograd.grad(out.square().sum(), [e_tok, bee.byte_embed.weight])
+    eager = bee(ids, e_tok)
+    want = torch.autograd.grad(eager.square().sum(), [e_tok, bee.byte_embed.weight])
+    torch.testing.assert_close(out, eager)
+    for got, ref in zip(grads, want):
+        torch.testing.assert_close(got, ref)
+
+
 def test_bake_matches_unbaked_and_is_dropped_by_train():
     bee = _module().eval()
     ids = torch.tensor([[0, 3, 4, 7, 11]])
@@ -183,6 +259,7 @@ def test_forward_before_table_raises():
         (dict(mode="sum"), "mode"),
         (dict(rope_theta=-1.0), "rope_theta"),
         (dict(backend="cuda"), "backend"),
+        (dict(validate_ids=None), "validate_ids"),
     ],
 )
 def test_bad_config_raises(kwargs, match):
@@ -192,11 +269,11 @@ def test_bad_config_raises(kwargs, match):
 
 
 def test_bad_inputs_raise():
-    bee = _module()
+    bee = _module(validate_ids=True)
     e = torch.zeros(2, 8)
-    with pytest.raises(ConfigError, match=r"\[0, vocab_size=12\).*\[0, 12\]"):
+    with pytest.raises(TokenIdError, match=r"\[0, vocab_size=12\), got 12"):
         bee(torch.tensor([0, 12]), e)
-    with pytest.raises(ConfigError, match=r"\[-1, 0\]"):
+    with pytest.raises(ConfigError, match=r"got -1"):     # a TokenIdError is a ConfigError, as before
         bee(torch.tensor([-1, 0]), e)
     with pytest.raises(DTypeError, match="ids"):
         bee(torch.tensor([0.0, 1.0]), e)

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from laminae.primitives import BackendUnavailableError, ConfigError, DTypeError
+from laminae.primitives import BackendUnavailableError, ConfigError, DTypeError, TokenIdError
 from laminae.primitives.leviathan import LeviathanGenerator, leviathan_reference
 from laminae.triton_ops.leviathan import distinct_ids, leviathan, leviathan_spline
 
@@ -75,6 +75,35 @@ def test_unique_and_per_token_evaluation_agree():
     for i in ids.unique():
         same = rows[ids == i]
         assert torch.equal(same, same[:1].expand_as(same))
+
+
+@pytest.mark.parametrize("unique_ids", [True, False])
+def test_unchecked_out_of_range_ids_give_the_reference_nan_rows(unique_ids):
+    """With the id check off (the default) an id outside [0, vocab_size) gives a NaN row on
+    the kernel as on the reference (also ids the digits could represent, and more
+    out-of-range ids than the vocabulary holds); the other rows and every gradient match."""
+    inp = _inputs(10, 6, 4, 2, 8, 2, 5, (1,), id_pool=None)       # b = 4: ids 10..15 are representable
+    ids = torch.tensor([3, -1, 10, 15, 16, 3, 9, -2**40, 11, 12, 13, 14, 0], device=DEVICE)
+    valid = (ids >= 0) & (ids < 10)
+    g = torch.randn(len(ids), 6, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    res = []
+    for fn in (lambda **kw: leviathan(**kw, unique_ids=unique_ids), leviathan_reference):
+        params = {k: v.clone().requires_grad_() if k in NAMES else v for k, v in inp.items()}
+        out = fn(**{**params, "input_ids": ids}, vocab_size=10)
+        res.append((out, torch.autograd.grad(out, [params[k] for k in NAMES], g)))
+    (out, grads), (ref, ref_grads) = res
+    assert torch.equal(out.isnan().all(-1), ~valid) and not out[valid].isnan().any()
+    torch.testing.assert_close(out, ref, equal_nan=True, atol=1e-6, rtol=1e-5)
+    for got, want in zip(grads, ref_grads):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_module_checked_ids_raise_token_id_error(backend):
+    gen = LeviathanGenerator(30, 5, 4, 2, 8, 2, 2, 3, backend=backend, validate_ids=True).to(DEVICE)
+    with pytest.raises(TokenIdError, match=r"\[0, vocab_size=30\), got 30"):
+        gen(torch.tensor([1, 30], device=DEVICE))
 
 
 def test_backward_is_deterministic():

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from laminae.primitives import BackendUnavailableError, DTypeError
+from laminae.primitives import BackendUnavailableError, DTypeError, TokenIdError
 from laminae.primitives.spelling_bee import (SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference,
                                              spelling_bee_rotary)
 from laminae.triton_ops.spelling_bee import _mode_code, spelling_bee, spelling_bee_op
@@ -68,16 +68,33 @@ def test_many_slices_and_long_rows(monkeypatch):
     assert_parity(spelling_bee, spelling_bee_reference, inp, GRADS)
 
 
-def test_unchecked_out_of_range_ids_read_nothing():
-    """With the id check skipped (the GPU default), the kernel never reads outside the
-    tables: an id outside [0, V) gets s = 0 and its gradient reaches no byte row."""
-    inp = _inputs((4,), 5, 8, 1.0, 0)
-    inp["ids"] = torch.tensor([-1, 5, 2, 70000], device=DEVICE)
-    inp["byte_embed"].requires_grad_()
-    out = spelling_bee(**inp)
-    torch.testing.assert_close(out[[0, 1, 3]], 0.5 * inp["e_tok"][[0, 1, 3]])
-    (grad,) = torch.autograd.grad(out[[0, 1, 3]].sum(), inp["byte_embed"])
-    assert torch.equal(grad, torch.zeros_like(grad))
+def test_unchecked_out_of_range_ids_give_the_reference_nan_rows():
+    """With the id check off (the default) an id outside [0, V) gives a NaN row on the
+    kernel as on the reference; the kernel never reads the tables at it, and both
+    gradients (½·g for e_tok, nothing for the byte table) match the reference."""
+    inp = _inputs((6,), 5, 8, 1.0, 0)
+    inp["ids"] = torch.tensor([-1, 5, 2, 70000, 4, -2**40], device=DEVICE)
+    valid = torch.tensor([False, False, True, False, True, False], device=DEVICE)
+    g = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    res = []
+    for fn in (spelling_bee, spelling_bee_reference):
+        e_tok, emb = inp["e_tok"].clone().requires_grad_(), inp["byte_embed"].clone().requires_grad_()
+        out = fn(inp["ids"], e_tok, emb, inp["byte_ids"], inp["byte_len"])
+        res.append((out, *torch.autograd.grad(out, [e_tok, emb], g)))
+    (out, d_etok, d_emb), (ref, *ref_grads) = res
+    assert torch.equal(out.isnan().all(-1), ~valid) and not out[valid].isnan().any()
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    for got, want in zip((d_etok, d_emb), ref_grads):
+        assert got.isfinite().all()
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_module_checked_ids_raise_token_id_error(backend):
+    bee = SpellingBeeEmbedding(4, 8, backend=backend, validate_ids=True).to(DEVICE)
+    bee.set_byte_table_from_strings([b"a"])
+    with pytest.raises(TokenIdError, match=r"\[0, vocab_size=4\), got 4"):
+        bee(torch.tensor([0, 4], device=DEVICE), torch.zeros(2, 8, device=DEVICE))
 
 
 def test_backward_is_bitwise_deterministic():
