@@ -159,8 +159,9 @@ def _stateful(kind: str, module: nn.Module, key: torch.Tensor, q, k, v, keep, hf
     layer = getattr(module, "layer_idx", 0)
     past = k.shape[1] - q.shape[1]
     if past == 0:
-        # without a transformers cache nothing is decoded (training, or use_cache=False)
-        start = None if hf_cache is None else _empty_cache(core, q.shape[0], k)
+        # nothing is decoded without a transformers cache (use_cache=False) or with
+        # gradients on (training): the core's caches hold detached tensors
+        start = None if hf_cache is None or torch.is_grad_enabled() else _empty_cache(core, q.shape[0], k)
         out, cache = call(core, q, k, v, keep, start)
         _store(hf_cache, layer, key, cache)
         return out
@@ -174,11 +175,14 @@ def _stateful(kind: str, module: nn.Module, key: torch.Tensor, q, k, v, keep, hf
         padded = torch.cat([q.new_zeros(q.shape[0], past, *q.shape[2:]), q], dim=1)
         out, cache = call(core, padded, k, v, keep, _empty_cache(core, q.shape[0], k))
         out = out[:, past:]
+    elif hf_cache is None:
+        raise ConfigError(f"Elo attention (layer {layer}) got {past} cached keys but no transformers cache object "
+                          "(the attention module's `cache` argument) to find their ratings by")
     else:
         raise ConfigError(
             f"Elo attention (layer {layer}) got {past} cached keys whose ratings it did not compute: the "
-            "transformers cache was reordered (beam search), cropped (assisted decoding) or is not the one "
-            "of the previous step; Elo ratings accumulate over earlier queries and cannot be rebuilt from "
+            "transformers cache was reordered (beam search), cropped (assisted decoding), is not the one "
+            "of the previous step, or was filled with gradients on; Elo ratings accumulate over earlier queries and cannot be rebuilt from "
             "keys, so decode with greedy search or sampling over one DynamicCache")
     _store(hf_cache, layer, key, cache)
     return out

@@ -19,7 +19,7 @@ from laminae.integrations._hf_masks import keep_mask_from_hf  # noqa: E402
 from laminae.integrations.transformers import convert  # noqa: E402
 from laminae.primitives import BackendUnavailableError, ConfigError, DTypeError, ShapeError, set_backend  # noqa: E402
 
-from ._tiny_hf import (DEVICE, gqa_twin, run_gqa, run_hf_attention, tiny_config, tiny_model,  # noqa: E402
+from ._tiny_hf import (DEVICE, gqa_twin, greedy, run_gqa, run_hf_attention, tiny_config, tiny_model,  # noqa: E402
                        token_ids)
 
 PADDING = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1], [1, 1, 1, 0, 1]], dtype=torch.bool)
@@ -163,6 +163,34 @@ def test_backend_is_the_cores_own_and_set_backend_reaches_it():
     assert {c.backend for c in cores} == {"reference"}
     set_backend(model, "triton")
     assert {c.backend for c in cores} == {"triton"}
+
+
+def test_core_parameters_take_the_model_dtype_and_device():
+    model = transformers.LlamaForCausalLM(tiny_config("llama")).to(device=DEVICE, dtype=torch.bfloat16)
+    convert(model, "affine")
+    core = model.model.layers[0].self_attn.laminae_core
+    assert core.alpha_proj.weight.dtype == torch.bfloat16 and core.alpha_proj.weight.device.type == DEVICE.type
+    assert core.alpha_ma.dtype == torch.float32   # the running mean stays fp32
+    with torch.no_grad():
+        assert torch.isfinite(model(token_ids(1, 4)).logits).all()
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_other_families_decode_like_full_forwards(family):
+    shared = tiny_config("llama").to_dict()
+    config = (transformers.MistralConfig(**{**shared, "sliding_window": None}) if family == "mistral"
+              else transformers.Qwen2Config(**shared))
+    cls = transformers.MistralForCausalLM if family == "mistral" else transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = convert(cls(config).to(DEVICE), "elo").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.laminae_core.elo_gain.fill_(1.0)
+    ids = token_ids(2, 5, seed=6)
+    out = model.generate(ids, max_new_tokens=3, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    tokens, logits = greedy(model, ids, torch.ones_like(ids), 3)
+    assert torch.equal(out.sequences, tokens)
+    assert max((a - b).abs().max().item() for a, b in zip(out.logits, logits)) <= 1e-5
 
 
 # ----------------------------------------------------------------------------
