@@ -182,8 +182,9 @@ def _stateful(kind: str, module: nn.Module, key: torch.Tensor, q, k, v, keep, hf
         raise ConfigError(
             f"Elo attention (layer {layer}) got {past} cached keys whose ratings it did not compute: the "
             "transformers cache was reordered (beam search), cropped (assisted decoding), is not the one "
-            "of the previous step, or was filled with gradients on; Elo ratings accumulate over earlier queries and cannot be rebuilt from "
-            "keys, so decode with greedy search or sampling over one DynamicCache")
+            "of the previous step, or was filled with gradients on; Elo ratings accumulate over earlier "
+            "queries and cannot be rebuilt from keys, so decode with greedy search or sampling over one "
+            "DynamicCache, under torch.no_grad()")
     _store(hf_cache, layer, key, cache)
     return out
 

@@ -1,18 +1,18 @@
 """laminae attention cores inside Hugging Face ``transformers`` models (``pip install laminae[transformers]``).
 
 Importing this module registers, with transformers' ``AttentionInterface``, one
-attention function per core whose math is a function of (q, K, V):
+attention function per core whose math is a function of (q, K, V), each running the
+laminae module that :func:`convert` gives every attention module:
 
-================  ============================================  ===================================
-name              core (the module each attention module gets)  parameters it adds per layer
-================  ============================================  ===================================
-``laminae_derf``  :class:`~laminae.primitives.DERFAttention`    ``derf_alpha``/``derf_bias``/``derf_gamma`` [H]
-                  (+ :class:`~laminae.primitives.DERFContextGate`, ``context_gate=True``)
-``laminae_elo``   :class:`~laminae.primitives.EloAttention`     ``elo_log_k``/``elo_gain`` [H]
-``laminae_affine`` :class:`~laminae.primitives.AffineScaledAttention`  ``alpha_proj`` [H, hidden], buffer ``alpha_ma``
-``laminae_lucid`` :class:`~laminae.primitives.LucidAttention`   none
-``laminae_xsa``   softmax + :class:`~laminae.primitives.ExclusiveSelfAttention`  none
-================  ============================================  ===================================
+- ``laminae_derf``: :class:`~laminae.primitives.DERFAttention` (``derf_alpha``,
+  ``derf_bias``, ``derf_gamma`` [H]; with ``context_gate=True`` also a
+  :class:`~laminae.primitives.DERFContextGate` on the attention read);
+- ``laminae_elo``: :class:`~laminae.primitives.EloAttention` (``elo_log_k``, ``elo_gain`` [H]);
+- ``laminae_affine``: :class:`~laminae.primitives.AffineScaledAttention` (``alpha_proj``
+  [H, hidden], buffer ``alpha_ma`` [H]);
+- ``laminae_lucid``: :class:`~laminae.primitives.LucidAttention` (no parameter);
+- ``laminae_xsa``: softmax attention + :class:`~laminae.primitives.ExclusiveSelfAttention`
+  (no parameter).
 
 ``convert(model, "derf", **options)`` gives every attention module of ``model`` its core
 (``self_attn.laminae_core``, the laminae module itself: its init, parameter names and
@@ -102,6 +102,8 @@ _REFUSED = (
 def _attention(kind: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
                **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention function registered as ``laminae_<kind>``: transformers' call
+    convention in, ``(output [B, S, H, D], None)`` out (no attention weights)."""
     installed = getattr(module, "_laminae_kind", None)
     if installed != kind:
         raise ConfigError(f"attention implementation {IMPLEMENTATIONS[kind]!r} on a module "

@@ -5,11 +5,10 @@ import copy
 import inspect
 
 import torch
+import transformers
 
 from laminae.integrations.transformers import convert
 from laminae.primitives import GroupedQueryAttention, RotaryEmbedding
-
-import transformers
 
 FAMILIES = ("llama", "qwen3")
 VOCAB = 64

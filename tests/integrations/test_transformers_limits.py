@@ -229,6 +229,19 @@ def test_side_caches_live_as_long_as_the_transformers_cache():
 # ----------------------------------------------------------------------------
 
 
+def test_the_extra_pins_the_supported_range_and_it_is_installed():
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from laminae.integrations.transformers import SUPPORTED_TRANSFORMERS
+
+    extra = [Requirement(r) for r in requires("laminae") if r.startswith("transformers")]
+    assert [r.specifier for r in extra] == [SpecifierSet(SUPPORTED_TRANSFORMERS)]
+    assert SpecifierSet(SUPPORTED_TRANSFORMERS).contains(transformers.__version__)
+
+
 def test_importing_laminae_never_imports_transformers():
     code = ("import sys, laminae, laminae.primitives, laminae.triton_ops, laminae.recipes, laminae.integrations; "
             "assert 'transformers' not in sys.modules, 'imported transformers'")
