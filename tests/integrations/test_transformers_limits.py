@@ -11,8 +11,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers.masking_utils import (AttentionMaskInterface, eager_mask, flash_attention_mask,  # noqa: E402
-                                        sdpa_mask, sliding_window_causal_mask_function)
+from transformers.masking_utils import (AttentionMaskInterface, chunked_causal_mask_function,  # noqa: E402
+                                        eager_mask, flash_attention_mask, sdpa_mask,
+                                        sliding_window_causal_mask_function)
 
 from laminae.integrations import _hf_cores  # noqa: E402
 from laminae.integrations._hf_masks import keep_mask_from_hf  # noqa: E402
@@ -62,6 +63,10 @@ def test_mask_patterns_a_keep_mask_cannot_express_are_refused():
                        attention_mask=PADDING, allow_is_causal_skip=False)
     with pytest.raises(ConfigError, match="sliding window"):
         keep_mask_from_hf(window, 3, 5, 5, cpu)
+    chunked = sdpa_mask(batch_size=3, q_length=5, kv_length=5, attention_mask=PADDING, allow_is_causal_skip=False,
+                        mask_function=chunked_causal_mask_function(2, torch.zeros(3, dtype=torch.long)))
+    with pytest.raises(ConfigError, match="chunked"):
+        keep_mask_from_hf(chunked, 3, 5, 5, cpu)
     with pytest.raises(ConfigError, match="later key"):
         keep_mask_from_hf(torch.ones(3, 1, 5, 5, dtype=torch.bool), 3, 5, 5, cpu)
     per_head = sdpa_mask(batch_size=3, q_length=5, kv_length=5, attention_mask=PADDING,
@@ -119,6 +124,9 @@ def test_convert_refuses_what_the_cores_cannot_honour():
     converted = tiny_model("llama", "derf", layers=1)
     with pytest.raises(ConfigError, match="already converted"):
         convert(converted, "elo")
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64))
+    with pytest.raises(ConfigError, match="no attention module"):   # one fused c_attn projection
+        convert(gpt2, "derf")
 
 
 def test_calls_the_cores_cannot_honour_are_refused():
@@ -126,6 +134,12 @@ def test_calls_the_cores_cannot_honour_are_refused():
     ids = token_ids(1, 4)
     with pytest.raises(ConfigError, match="output_attentions"):
         model(ids, output_attentions=True)
+    lengths = torch.tensor([0, 2, 4], dtype=torch.int32, device=DEVICE)
+    for name, value, what in (("cu_seq_lens_q", lengths, "packed"), ("cu_seq_lens_k", lengths, "packed"),
+                              ("softcap", 30.0, "soft-capping"), ("s_aux", torch.zeros(4), "sinks"),
+                              ("sliding_window", 2, "sliding window"), ("is_causal", False, "non-causal")):
+        with pytest.raises(ConfigError, match=what):
+            model(ids, **{name: value})
     model.set_attn_implementation("laminae_elo")
     with pytest.raises(ConfigError, match="converted to 'derf'"):
         model(ids)
@@ -198,7 +212,7 @@ def test_other_families_decode_like_full_forwards(family):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("core", ["derf", "lucid"])
+@pytest.mark.parametrize("core", ["derf", "affine", "xsa", "lucid"])
 def test_beam_search_reorders_the_cache_and_stateless_or_rebuilt_cores_follow(core):
     model = tiny_model("llama", core).eval()
     ids = token_ids(1, 4, seed=5)
