@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent setup: a local virtual environment in .venv with laminae (editable)
-# and its test/bench extras. Re-running it only reinstalls when pyproject.toml or
+# and its test/bench/transformers extras. Re-running it only reinstalls when pyproject.toml or
 # the constraints changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,5 +19,5 @@ fi
 pip=("$VENV/bin/python" -m pip install --quiet --disable-pip-version-check)
 # torch first, from the pinned CPU build, so nothing later can pull a CUDA build.
 "${pip[@]}" -c "$CONSTRAINTS" "$(grep -E '^torch==' "$CONSTRAINTS")"
-"${pip[@]}" -c "$CONSTRAINTS" -e ".[test,io,bench]"
+"${pip[@]}" -c "$CONSTRAINTS" -e ".[test,io,bench,transformers]"
 echo "$want" > "$stamp"
