@@ -53,10 +53,9 @@ class TourCase:
 
 
 def _prepare_environment() -> None:
-    import torch
+    from laminae.primitives._backend import interpret_without_cuda
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpret_without_cuda()
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
