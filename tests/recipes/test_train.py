@@ -92,7 +92,7 @@ def test_set_overrides_preset_fields_and_explains_its_json(tmp_path, capsys):
         assert f.get_slice("model/lm_head.weight").get_shape() == [256, 32]
         assert not any(k.startswith("model/model.layers.1.") for k in f.keys())
     example = "e.g. --set hidden_size=128, --set use_xsa=true, --set 'moe_layers=[0, 1]', --set 'hidden_act=\"silu\"'"
-    for bad, said in [("hidden_act=silu", f"--set 'hidden_act=silu': the value must be JSON"),
+    for bad, said in [("hidden_act=silu", "--set 'hidden_act=silu': the value must be JSON"),
                       ("hidden_size", f"--set 'hidden_size': expected FIELD=JSON, {example}"),
                       ("hidden_sise=32", "NaylisConfig has no field hidden_sise (hidden_sise: did you mean hidden_size")]:
         with pytest.raises(SystemExit):
