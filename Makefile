@@ -21,9 +21,11 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests
 
+# BENCH=EXPR benchmarks a subset (a pytest -k expression: `make bench BENCH=derf`,
+# `make bench BENCH="derf and not compiled"`)
 bench: setup
 	mkdir -p bench/results
-	$(PY) -m pytest -q bench --benchmark-json=bench/results/latest.json
+	$(PY) -m pytest -q bench $(if $(BENCH),-k "$(BENCH)") --benchmark-json=bench/results/latest.json
 
 report: setup
 	$(PY) bench/report.py bench/results/latest.json --static

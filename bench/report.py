@@ -103,7 +103,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-def chart(rows: list[dict], path: str) -> None:
+def chart(rows: list[dict], path: str):
+    """Horizontal bars, one group per (mechanism, shape, mode) and one bar per provider,
+    median time on a log axis; the labels sit on the y axis, one line each, so they
+    never overlap however many cases there are. Returns the figure (already saved)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,19 +117,28 @@ def chart(rows: list[dict], path: str) -> None:
         groups[(r["mechanism"], r["shape"], r["mode"])][r["provider"]] = r["median_ms"]
     keys = sorted(groups)
     providers = [p for p in ("eager", "compiled", "triton") if any(p in groups[k] for k in keys)]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(keys)), 4.5))
-    width = 0.8 / max(1, len(providers))
+    bar = 0.8 / max(1, len(providers))
+    fig, ax = plt.subplots(figsize=(10, 1.6 + 0.22 * len(keys) * max(1, len(providers))))
     for i, p in enumerate(providers):
-        xs = [j + i * width for j in range(len(keys))]
-        ax.bar(xs, [groups[k].get(p, 0.0) for k in keys], width, label=p)
-    ax.set_xticks([j + width * (len(providers) - 1) / 2 for j in range(len(keys))])
-    ax.set_xticklabels([f"{k[0]}\n{k[1]}\n{k[2]}" for k in keys], fontsize=7)
-    ax.set_ylabel("median ms (log)")
-    ax.set_yscale("log")
-    ax.legend()
-    ax.set_title("laminae benchmarks")
+        have = [j for j, k in enumerate(keys) if p in groups[k]]
+        ax.barh([j + (i - (len(providers) - 1) / 2) * bar for j in have], [groups[keys[j]][p] for j in have],
+                bar, label=p)
+    ax.set_yticks(range(len(keys)))
+    ax.set_yticklabels([f"{m}  {s}  {mode}" for m, s, mode in keys], fontsize=8)
+    for j in range(1, len(keys)):     # a rule between mechanisms
+        if keys[j][0] != keys[j - 1][0]:
+            ax.axhline(j - 0.5, color="0.8", linewidth=0.8)
+    ax.set_ylim(len(keys) - 0.5, -0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("median ms (log scale; shorter is faster)")
+    ax.grid(axis="x", which="major", color="0.9")
+    ax.set_axisbelow(True)
+    # the legend above the bars, never over one
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=max(1, len(providers)), fontsize=8, frameon=False)
+    ax.set_title("laminae benchmarks", pad=24)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    return fig
 
 
 def static_table(per_config: bool = False) -> str:
@@ -156,7 +168,9 @@ def main(argv=None) -> int:
         print(table(rows))
         png = args.png or os.path.splitext(args.json[0])[0] + ".png"
         try:
-            chart(rows, png)
+            import matplotlib.pyplot as plt
+
+            plt.close(chart(rows, png))
             print(f"\nchart: {png}")
         except ImportError:
             print("\n(matplotlib not installed: no chart; `pip install laminae[bench]`)")

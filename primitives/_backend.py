@@ -129,3 +129,13 @@ def use_backend(model: torch.nn.Module, backend: str) -> Iterator[torch.nn.Modul
     finally:
         for module, previous in saved:
             module.backend = previous
+
+
+def interpret_without_cuda() -> bool:
+    """Before triton is first imported: on a machine without CUDA, set
+    ``TRITON_INTERPRET=1`` (unless the caller set it) so ``backend="triton"`` runs the
+    kernels in the interpreter, as the tests and the tour do. Returns whether the
+    interpreter is on. Called by the command-line entry points, never on import."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return triton_interpreting()

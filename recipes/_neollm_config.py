@@ -2,6 +2,8 @@
 and which of its flags this toolkit implements."""
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -195,32 +197,70 @@ class NeoLLMConfig:
             config.tie_word_embeddings = False
         return config
 
+    @classmethod
+    def buildable(cls, **changes: Any) -> "NeoLLMConfig":
+        """The seed's defaults with every setting this toolkit lacks changed (the
+        :data:`UNSPECIFIED` flags off, unsupported values such as ``hidden_act="xielu"``
+        replaced by the supported one, see :func:`required_changes`), then ``changes``:
+        the closest configuration to the seed's that ``build`` accepts.
+
+        Example: ``build(NeoLLMConfig.buildable(hidden_size=256, num_hidden_layers=4))``."""
+        return dataclasses.replace(cls(), **{**required_changes(cls()), **changes})
+
 
 def unsupported(c: NeoLLMConfig) -> list[str]:
     """The flags of ``c`` that are on but not implemented here."""
     return [k for k in UNSPECIFIED if getattr(c, k)]
 
 
-def check_config(c: NeoLLMConfig) -> None:
-    """The seed's own rules plus :data:`UNSPECIFIED`/:data:`SUPPORTED_VALUES`; ConfigError naming the keys."""
-    off = unsupported(c)
-    if off:
-        raise ConfigError(f"NeoLLM: {off} are on but not implemented (no source specifies them: "
-                          f"{[UNSPECIFIED[k] for k in off]}); set them to False")
-    for key, values in SUPPORTED_VALUES.items():
-        if getattr(c, key) not in values:
-            raise ConfigError(f"NeoLLM: {key}={getattr(c, key)!r} is not supported (supported: {list(values)})")
+def required_changes(c: NeoLLMConfig) -> dict[str, Any]:
+    """Setting → value for everything ``c`` sets that this toolkit lacks: the
+    :data:`UNSPECIFIED` flags that are on (→ False) and values outside
+    :data:`SUPPORTED_VALUES` (→ the supported one)."""
+    changes: dict[str, Any] = {k: False for k in unsupported(c)}
+    changes.update({k: values[0] for k, values in SUPPORTED_VALUES.items() if getattr(c, k) not in values})
+    return changes
+
+
+def _rule_violations(c: NeoLLMConfig) -> list[str]:
+    """The seed's combination rules (and this toolkit's) that ``c`` breaks."""
+    out = []
     flows = [k for k in ("use_laurel", "use_attn_res", "use_stack_memory", "use_siamesenorm") if getattr(c, k)]
     if len(flows) > 1 and set(flows) != {"use_stack_memory", "use_siamesenorm"}:
-        raise ConfigError(f"NeoLLM: at most one residual-flow mechanism may be on, except the pair "
-                          f"use_stack_memory + use_siamesenorm; active: {flows}")
+        out.append(f"at most one residual-flow mechanism may be on, except the pair use_stack_memory + "
+                   f"use_siamesenorm; active: {flows}")
     if c.use_laurel and not (c.use_laurel_rw or c.use_laurel_lr):
-        raise ConfigError("NeoLLM: use_laurel=True needs use_laurel_rw and/or use_laurel_lr")
+        out.append("use_laurel=True needs use_laurel_rw and/or use_laurel_lr")
     cores = [k for k in ("use_lucid_attention", "use_affine_scaled_attention") if getattr(c, k)]
     if len(cores) > 1:
-        raise ConfigError(f"NeoLLM: one attention core at a time here, got {cores}")
+        out.append(f"one attention core at a time here, got {cores}")
     if c.use_token_generator and c.tie_word_embeddings:
-        raise ConfigError("NeoLLM: use_token_generator=True needs tie_word_embeddings=False (the head is untied)")
+        out.append("use_token_generator=True needs tie_word_embeddings=False (the head is untied)")
     rot = c.head_dim * c.partial_rotary_factor
     if rot != int(rot) or int(rot) % 2 or rot <= 0:
-        raise ConfigError(f"NeoLLM: head_dim·partial_rotary_factor = {rot} must be a positive even integer")
+        out.append(f"head_dim·partial_rotary_factor = {rot} must be a positive even integer "
+                   f"(head_dim={c.head_dim}, partial_rotary_factor={c.partial_rotary_factor})")
+    return out
+
+
+def check_config(c: NeoLLMConfig) -> None:
+    """The seed's own rules plus :data:`UNSPECIFIED`/:data:`SUPPORTED_VALUES`: one
+    ConfigError listing every setting to change and every rule broken."""
+    lines = []
+    for key, value in required_changes(c).items():
+        why = UNSPECIFIED.get(key) or f"{getattr(c, key)!r} is not supported, only {list(SUPPORTED_VALUES[key])}"
+        lines.append(f"  {key}={value!r}   ({why})")
+    lines += [f"  {rule}" for rule in _rule_violations(c)]
+    if lines:
+        raise ConfigError(f"NeoLLM: this configuration does not build ({len(lines)} to fix):\n"
+                          + "\n".join(lines) + "\nNeoLLMConfig.buildable(**fields) is the seed's defaults with "
+                          "the unimplemented settings already changed.")
+    if c.use_embedding_multipliers:
+        # the seed's own warnings: the flag acts only with learnable multipliers on (never
+        # here: they are refused above), a standard embedding matrix and an untied head
+        reason = ("use_learnable_multipliers=False: no embedding multiplier parameters are created"
+                  if not c.use_learnable_multipliers else
+                  "use_token_generator=True replaces the embedding matrix with the Leviathan generator"
+                  if c.use_token_generator else
+                  "tie_word_embeddings=True: multipliers would break the input/output sharing")
+        warnings.warn(f"NeoLLM: use_embedding_multipliers=True is inactive because {reason}", stacklevel=3)

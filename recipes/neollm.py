@@ -42,10 +42,10 @@ from laminae.primitives.swiglu import SwiGLU
 from laminae.primitives.xsa import ExclusiveSelfAttention
 
 from ._keymap import KeyMap, load_state_dict
-from ._neollm_config import UNSPECIFIED, NeoLLMConfig, check_config, unsupported
+from ._neollm_config import UNSPECIFIED, NeoLLMConfig, check_config, required_changes, unsupported
 
-__all__ = ["CONFIG", "NeoLLMConfig", "UNSPECIFIED", "unsupported", "build", "loss", "mile_weights",
-           "load_reference_state_dict", "GENERATOR_KEYS"]
+__all__ = ["CONFIG", "NeoLLMConfig", "UNSPECIFIED", "unsupported", "required_changes", "build", "loss",
+           "mile_weights", "load_reference_state_dict", "GENERATOR_KEYS"]
 
 
 def _attention(c: NeoLLMConfig, layer_idx: int, backend: str) -> AttentionSublayer:
@@ -95,8 +95,9 @@ def _layer(c: NeoLLMConfig, i: int, backend: str) -> nn.Module:
 
 
 def build(config: NeoLLMConfig, backend: str = "auto") -> CausalLM:
-    """The model for ``config``; ConfigError for flags this toolkit lacks (:data:`UNSPECIFIED`)
-    and for combinations the seed forbids. With Spelling Bee, set its byte table
+    """The model for ``config``; one ConfigError listing every flag this toolkit lacks
+    (:data:`UNSPECIFIED`), unsupported value and combination the seed forbids
+    (``NeoLLMConfig.buildable()`` is the seed's defaults made buildable). With Spelling Bee, set its byte table
     (``model.model.spelling_bee.set_byte_table_from_strings``) before the first forward."""
     c = config
     check_config(c)

@@ -1,7 +1,9 @@
-"""Seed parity of every recipe on its fixtures (``tests/data/seed_parity``): one line per
-fixture and backend with the largest differences from what the seed computed.
+"""Seed parity of every recipe on its fixtures (``tests/data/seed_parity``, shipped in
+the wheel as ``laminae/recipes/seed_parity``): one line per fixture and backend with the
+largest differences from what the seed computed.
 
     python -m laminae.triton_ops.tour --recipes          # every fixture, both backends
+    laminae-tour --recipes naylis spikewhale_off         # some fixtures
 
 Figures: logits and loss (every tier for tiered fixtures), gradients (max abs
 difference, and the tolerance margin max(|g − g_seed| − 1e-3·|g_seed|) that must stay
@@ -15,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "seed_parity"
+_PACKAGED = Path(__file__).resolve().parent / "seed_parity"   # an installed wheel
+DATA = _PACKAGED if _PACKAGED.is_dir() else Path(__file__).resolve().parents[1] / "tests" / "data" / "seed_parity"
 FIXTURES = {"naylis": "naylis", "spikewhale_off": "spikewhale", "spikewhale_on": "spikewhale",
             "elastic_fully": "shell_elastic", "elastic_matformer": "shell_elastic",
             "shram_tiny": "shram", "shram_tiny_yarn": "shram"}

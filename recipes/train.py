@@ -1,18 +1,25 @@
 """Train a recipe at a tiny size on byte-level text.
 
     python -m laminae.recipes.train --recipe naylis --steps 200
+    python -m laminae.recipes.train --recipe spikewhale --preset tiny-full  # every mechanism on
     python -m laminae.recipes.train --recipe shell_elastic --tiers low,max   # multi-tier steps
     torchrun --nproc_per_node 2 -m laminae.recipes.train --recipe spikewhale    # DDP, gloo on CPU
     torchrun --nproc_per_node 2 -m laminae.recipes.train --recipe naylis --fsdp  # FSDP2
 
-Text: every ``*.md`` under ``--data`` (default: this project's docs), read as bytes
-(vocabulary 256). Each step draws ``--batch-size`` windows (the *global* batch, the
+Config: the recipe's defaults, then ``--preset`` (``PRESETS``; ``tiny`` for every
+recipe, ``tiny-full`` for spikewhale), then every ``--set FIELD=JSON``.
+
+Text: every ``*.md`` under ``--data`` (default: this project's docs, shipped with the
+package), read as bytes (vocabulary 256). Each step draws ``--batch-size`` windows (the *global* batch, the
 same on every rank for a given seed and step); rank r trains on rows r, r+W, … and
 the reported loss is the mean over ranks, so W ranks reproduce one process.
 
-Prints ``step``, ``loss`` and ``tokens/s``; writes ``<out>/checkpoint.safetensors``
-(model, AdamW state, step) every ``--save-every`` steps and at the end, and
-``<out>/loss.png``. ``--resume`` continues from the checkpoint in ``<out>``.
+Prints ``step``, ``loss`` and the mean tokens/s since the start; writes
+``<out>/checkpoint.safetensors`` (model, AdamW state, step, the settings that wrote it)
+every ``--save-every`` steps and at the end, and ``<out>/loss.png`` (with matplotlib).
+``--resume`` continues from the checkpoint in ``<out>``: strictly (a checkpoint of
+another recipe or configuration raises, listing the keys that differ), and not at all
+when the checkpoint already reached ``--steps`` (nothing is written then).
 """
 from __future__ import annotations
 
@@ -23,39 +30,30 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ._checkpoint import load_checkpoint, save_checkpoint
+from laminae.primitives import ConfigError
+from laminae.primitives._backend import interpret_without_cuda
 
-# Tiny sizes (config fields) per recipe: a few seconds per dozen steps on 2 CPU cores.
-TINY = {
-    "naylis": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, max_position_embeddings=256, mem_size=32, mom_block_size=4,
-                   mom_top_blocks=2, mom_router_rank=16),
-    "spikewhale": dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, nope_head_dim=8, qk_rope_head_dim=8,
-                       q_lora_rank=32, o_lora_rank=32, max_position_embeddings=256, moe_intermediate_size=64,
-                       use_moe=True, moe_layers=[1], n_routed_experts=4, num_experts_per_tok=2,
-                       n_shared_experts=1, num_nextn_predict_layers=1, zloss_coef=1e-4),
-    "shell_elastic": dict(vocab_size=256, num_hidden_layers=2, hidden_size=64, head_dim=16, base_width=16,
-                          mlp_base_width=32, widths=(1, 2, 4), tiers=("low", "medium", "max"),
-                          mlp_output_divisor=2.0, max_position_embeddings=256),
-    "shram": dict(vocab_size=256, embedding_width=64, mlp_width=128, num_decoder_layers=2,
-                  num_sliding_window_heads=2, num_mosrah_heads=4, num_selected_heads=2, head_dim=16,
-                  window_size=16, training_sequence_length=256),
-    "neollm": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, hidden_act="silu", generator_d_seed=16, generator_num_modes=2,
-                   generator_num_knots=8, generator_krank=8, attention_dropout=0.0, dropout_rate=0.0,
-                   use_stack_memory=True, use_lucid_attention=True, use_momentum_attention=False,
-                   use_learnable_multipliers=False, use_jtok=False, use_hadamard_o_proj=False, use_repo=False,
-                   use_repo_grape=False, use_tweo=False, use_nitp=False),
-}
-DEFAULT_DATA = Path(__file__).resolve().parents[1] / "docs"
+from ._checkpoint import load_checkpoint, save_checkpoint
+from ._presets import PRESETS, TINY, make_config
+
+__all__ = ["PRESETS", "TINY", "make_config", "main", "Throughput", "byte_corpus", "global_batch",
+           "parse_overrides", "plot"]
+
+# The project's docs as byte-level text: packaged with the wheel (laminae/recipes/corpus),
+# read from the source tree in a checkout.
+_PACKAGED_DATA = Path(__file__).resolve().parent / "corpus"
+DEFAULT_DATA = _PACKAGED_DATA if _PACKAGED_DATA.is_dir() else Path(__file__).resolve().parents[1] / "docs"
+SET_EXAMPLES = "--set hidden_size=128, --set use_xsa=true, --set 'moe_layers=[0, 1]', --set 'hidden_act=\"silu\"'"
 
 
 def byte_corpus(root: Path) -> torch.Tensor:
+    if not root.exists():
+        raise FileNotFoundError(f"--data {root}: no such file or folder")
     files = sorted(root.rglob("*.md")) if root.is_dir() else [root]
     data = b"\n".join(f.read_bytes() for f in files)
     if len(data) < 2:
@@ -70,59 +68,113 @@ def global_batch(corpus: torch.Tensor, step: int, batch: int, seq: int, seed: in
 
 
 def parse_overrides(items: list[str]) -> dict:
+    """``FIELD=JSON`` items as a dict; ValueError naming the item and showing examples."""
     out = {}
     for item in items:
-        key, _, value = item.partition("=")
-        out[key] = json.loads(value)
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set {item!r}: expected FIELD=JSON, e.g. {SET_EXAMPLES}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--set {item!r}: the value must be JSON ({e.msg}); strings need double "
+                             f"quotes, e.g. {SET_EXAMPLES}") from None
     return out
 
 
-def plot(history: list, path: Path, title: str) -> None:
+def plot(history: list, path: Path, title: str) -> bool:
+    """Write the loss curve to ``path``; False (and nothing written) without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("matplotlib is not installed: no loss curve written")
-        return
+        return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h[0] for h in history], [h[1] for h in history])
     ax.set(xlabel="step", ylabel="loss", title=title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
-def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", default="naylis", choices=sorted(TINY))
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=8, help="global batch (windows per step)")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
-    p.add_argument("--out", type=Path, default=Path("runs/train"))
-    p.add_argument("--save-every", type=int, default=0)
-    p.add_argument("--resume", action="store_true")
+class Throughput:
+    """Tokens per second since the run (or the resumed run) started: a running mean
+    over every step so far, not the rate of the last step."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock, self._tokens, self._start = clock, 0, clock()
+
+    def add(self, tokens: int) -> float:
+        self._tokens += tokens
+        return self._tokens / max(self._clock() - self._start, 1e-9)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m laminae.recipes.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--recipe", default="naylis", choices=sorted(PRESETS), help="which recipe to train")
+    p.add_argument("--preset", default="tiny", choices=sorted({k for v in PRESETS.values() for k in v}),
+                   help="config fields on top of the recipe's defaults: tiny (small sizes, the recipe's "
+                        "default mechanisms) or, for spikewhale, tiny-full (every optional mechanism on)")
+    p.add_argument("--steps", type=int, default=100, help="train up to this step (counted from 0, resumes too)")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (windows per step, over all ranks)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens (bytes) per window")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the batches")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA,
+                   help="a text file, or a folder whose *.md files are read (default: laminae's docs)")
+    p.add_argument("--out", type=Path, default=Path("runs/train"), help="folder for the checkpoint and loss.png")
+    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: only at the end)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from <out>/checkpoint.safetensors (same recipe, preset and --set)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 (fully_shard) instead of DDP under torchrun")
-    p.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON", help="override a config field")
-    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"],
+                   help="kernels: auto = Triton on CUDA, the reference on CPU; triton on CPU runs the interpreter")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                   help=f"override a config field (any, preset fields included); the value is JSON: {SET_EXAMPLES}")
+    p.add_argument("--log-every", type=int, default=10, help="print every N steps")
     p.add_argument("--tiers", default=None, metavar="T1,T2",
                    help="elastic recipes: train these tiers each step (losses summed; default the widest)")
     p.add_argument("--noise-cutoff", type=float, default=0.15, help="fraction of steps with router noise")
-    args = p.parse_args(argv)
+    return p
 
+
+def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
+    p = _parser()
+    args = p.parse_args(argv)
+    try:
+        overrides = parse_overrides(args.set)
+    except ValueError as e:
+        p.error(str(e))
+    # before anything imports triton: on CPU, --backend triton runs in the interpreter
+    interpret_without_cuda()
+
+    if args.steps < 1:
+        p.error(f"--steps must be at least 1, got {args.steps}")
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.batch_size % world:
+        p.error(f"--batch-size {args.batch_size} must be a multiple of the world size {world}")
+    recipe = importlib.import_module(f"laminae.recipes.{args.recipe}")
+    try:
+        config = make_config(recipe, args.recipe, args.preset, overrides)
+    except ValueError as e:
+        p.error(str(e))
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if args.batch_size % world:
-        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the world size {world}")
+    try:
+        history = _train(args, recipe, config, world, rank)
+        if world > 1:
+            dist.barrier()
+        return history
+    finally:
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
-    recipe = importlib.import_module(f"laminae.recipes.{args.recipe}")
-    config = dataclasses.replace(recipe.CONFIG(), **TINY[args.recipe], **parse_overrides(args.set))
+
+def _train(args, recipe, config, world: int, rank: int) -> list[tuple[int, float]]:
     torch.manual_seed(args.seed)
     model = recipe.build(config, backend=args.backend)
     model.train()
@@ -137,15 +189,26 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
     optimizer = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=args.lr, weight_decay=0.0)
     args.out.mkdir(parents=True, exist_ok=True)
     ckpt = args.out / "checkpoint.safetensors"
+    # what wrote a checkpoint, so a mismatched resume can say which settings differ
+    meta = {"recipe": args.recipe, "preset": args.preset, "config": json.loads(json.dumps(
+        dataclasses.asdict(config), default=str))}
     start, history = 0, []
     if args.resume and ckpt.exists():
-        start, history = load_checkpoint(ckpt, model, optimizer)
+        start, history = load_checkpoint(ckpt, model, optimizer, expected_meta=meta)
+        if start >= args.steps:
+            # saving now would record step --steps over weights and optimizer state from step `start`
+            if rank == 0:
+                print(f"{ckpt} is at step {start}, at or past --steps {args.steps}: nothing to train, "
+                      f"nothing written (raise --steps above {start} to continue)")
+            return history
         if rank == 0:
             print(f"resumed from {ckpt} at step {start}")
+    elif args.resume and rank == 0:
+        print(f"--resume: no checkpoint at {ckpt} yet, starting at step 0")
     corpus = byte_corpus(args.data)
 
+    meter = Throughput()
     for step in range(start, args.steps):
-        t0 = time.perf_counter()
         if step >= args.noise_cutoff * args.steps:
             # Naylis' trainer: the MoM router's Gumbel exploration stops at 15 % of the run
             for module in lm.modules():
@@ -162,18 +225,18 @@ def main(argv: list[str] | None = None) -> list[tuple[int, float]]:
             dist.all_reduce(reported)
             reported /= world
         history.append((step + 1, reported.item()))
+        rate = meter.add(args.batch_size * args.seq_len)
         if rank == 0 and ((step + 1) % args.log_every == 0 or step == start):
-            rate = args.batch_size * args.seq_len / (time.perf_counter() - t0)
-            print(f"step {step + 1:5d}  loss {history[-1][1]:.4f}  tokens/s {rate:,.0f}", flush=True)
+            print(f"step {step + 1:5d}  loss {history[-1][1]:.4f}  mean tokens/s {rate:,.0f}", flush=True)
         if args.save_every and (step + 1) % args.save_every == 0:
-            save_checkpoint(ckpt, model, optimizer, step + 1, {"history": history})
-    save_checkpoint(ckpt, model, optimizer, args.steps, {"history": history})
+            save_checkpoint(ckpt, model, optimizer, step + 1, {**meta, "history": history})
+    save_checkpoint(ckpt, model, optimizer, history[-1][0], {**meta, "history": history})
     if rank == 0:
-        plot(history, args.out / "loss.png", f"{args.recipe} (tiny), {world} rank(s)")
-        print(f"checkpoint: {ckpt}\nloss curve: {args.out / 'loss.png'}")
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+        print(f"checkpoint: {ckpt}")
+        png = args.out / "loss.png"
+        title = f"{args.recipe} ({args.preset}), {world} rank(s)"
+        print(f"loss curve: {png}" if plot(history, png, title) else
+              "loss curve: not written (matplotlib is not installed: pip install 'laminae[bench]')")
     return history
 
 
@@ -192,4 +255,7 @@ class _Forward:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as e:    # a mismatched --resume: the message is the whole story
+        raise SystemExit(f"error: {e}") from None

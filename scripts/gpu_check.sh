@@ -2,8 +2,9 @@
 # One prepared GPU run that fits about 9 minutes on an H200: the gpu-marked tests,
 # the tour (fp32, then bf16 on CUDA), then the benchmarks in three runs (Triton ops
 # and SDPA first, then the eager references, then the torch.compile'd references),
-# each stopped with SIGINT at its budget so pytest-benchmark still writes its JSON,
-# and the report over all three. Logs and JSON go under $OUT (default ./gpu-out).
+# each stopped with SIGINT at its budget (pytest-benchmark still writes its JSON:
+# bench/conftest.py drops the benchmark caught before its first round, on which the
+# writer would fail), and the report over all three. Logs and JSON go under $OUT (default ./gpu-out).
 #
 # Dependencies: the machine's own python3 (its torch and triton); laminae installs
 # without dependencies; wheels under .whl/ (if any) install first, offline, for what
@@ -44,7 +45,8 @@ stop_at "${TOUR_S:-45}" "$PY" -m laminae.triton_ops.tour --reps 3 --device cuda 
 bench() {  # name seconds -k-expression
   stop_at "$2" "$PY" -m pytest -q bench -p no:cacheprovider -k "$3" \
     --benchmark-json="$OUT/bench_$1.json" > "$OUT/bench_$1.log" 2>&1
-  echo "bench $1: $(grep -c '"name"' "$OUT/bench_$1.json" 2>/dev/null || echo 0) cases"
+  "$PY" -c "import json, sys; print('bench $1:', len(json.load(open(sys.argv[1]))['benchmarks']), 'cases')" \
+    "$OUT/bench_$1.json" 2>/dev/null || echo "bench $1: no JSON written (see $OUT/bench_$1.log)"
 }
 bench triton "${TRITON_S:-150}" "triton or sdpa"
 bench eager "${EAGER_S:-60}" "eager and not sdpa"

@@ -1,6 +1,9 @@
 """The benchmark report's arithmetic: per-mode work counts, TFLOP/s and GB/s, the
-comparison with SDPA on the same shape, merging runs, and the adaptive round count."""
+comparison with SDPA on the same shape, merging runs, and the adaptive round count;
+a readable chart; a run stopped by SIGINT keeping its JSON; `make bench BENCH=...`."""
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,3 +58,63 @@ def test_a_bare_count_is_the_forwards_and_runs_merge(tmp_path):
 def test_rounds_fit_half_a_second_on_gpu():
     assert rounds_for(0.1, "cuda") == 5 and rounds_for(1e-4, "cuda") == 50 and rounds_for(0.02, "cuda") == 25
     assert rounds_for(1e-4, "cpu") == 5
+
+
+def test_a_run_stopped_by_sigint_still_writes_its_json(tmp_path):
+    # the benchmarks' own conftest, next to a benchmark that SIGINTs itself in its first timed round
+    (tmp_path / "conftest.py").write_text((ROOT / "bench" / "conftest.py").read_text())
+    (tmp_path / "test_stop.py").write_text(
+        "import os, signal\n"
+        "def test_done(benchmark):\n"
+        "    benchmark.pedantic(lambda: None, rounds=3, iterations=1)\n"
+        "def test_stopped(benchmark):\n"
+        "    benchmark.pedantic(lambda: os.kill(os.getpid(), signal.SIGINT), rounds=3, iterations=1)\n")
+    out = tmp_path / "bench.json"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           str(tmp_path / "test_stop.py"), f"--benchmark-json={out}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "KeyboardInterrupt" in done.stdout + done.stderr
+    assert out.exists(), done.stdout[-2000:] + done.stderr[-2000:]
+    saved = json.loads(out.read_text())["benchmarks"]
+    assert [b["name"] for b in saved] == ["test_done"] and len(saved[0]["stats"]["data"]) == 3
+
+
+def test_make_bench_takes_a_subset():
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make is not installed")
+    dry = subprocess.run([make, "-n", "bench", "BENCH=derf and not compiled"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert '-m pytest -q bench -k "derf and not compiled"' in dry.stdout, dry.stdout
+
+
+def test_chart_labels_never_overlap(tmp_path):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    rows = [_row(mech, provider, 0.1 + i, mode=mode, shape=shape)
+            for i, (mech, shape) in enumerate([("derf_attention", "B4-S2048-H8-KV8-D64"),
+                                               ("derf_attention", "B2-S4096-H16-KV16-D128"),
+                                               ("shared_matrix", "T=8192,D=4096,tiers=low/medium/max"),
+                                               ("mom_read", "B4-S2048-M256-D1024"), ("laurel", "N=8192,D=2048"),
+                                               (report.SDPA, "B4-S2048-H8-KV8-D64")])
+            for mode in ("fwd", "fwd+bwd") for provider in ("eager", "compiled", "triton")]
+    fig = report.chart(rows, str(tmp_path / "chart.png"))
+    try:
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        texts = [tick.label1 for ax in fig.axes for axis, (lo, hi) in ((ax.xaxis, ax.get_xlim()), (ax.yaxis, ax.get_ylim()))
+                 for tick in axis.get_major_ticks()
+                 if min(lo, hi) <= tick.get_loc() <= max(lo, hi) and tick.label1.get_text()]   # the drawn ones
+        texts += [t for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+        boxes = [t.get_window_extent(renderer) for t in texts]
+        page = fig.bbox
+        assert len({t.get_text() for t in texts}) >= 12
+        for i, a in enumerate(boxes):
+            assert page.x0 <= a.x0 and a.x1 <= page.x1, f"{texts[i].get_text()!r} leaves the figure"
+            for j in range(i + 1, len(boxes)):
+                assert not a.overlaps(boxes[j]), f"{texts[i].get_text()!r} overlaps {texts[j].get_text()!r}"
+    finally:
+        plt.close(fig)
+    assert (tmp_path / "chart.png").stat().st_size > 0

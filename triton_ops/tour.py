@@ -3,6 +3,7 @@
     python -m laminae.triton_ops.tour            (or the ``laminae-tour`` script)
     laminae-tour --device cuda --dtype bfloat16  (every kernel on a GPU, in bf16)
     python -m laminae.triton_ops.tour --recipes  every recipe against its seed's fixtures
+    laminae-tour --recipes naylis                one fixture
 
 For each mechanism it runs the kernel and the reference on small random inputs,
 forward and backward with a shared random upstream gradient, and prints the
@@ -53,10 +54,9 @@ class TourCase:
 
 
 def _prepare_environment() -> None:
-    import torch
+    from laminae.primitives._backend import interpret_without_cuda
 
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpret_without_cuda()
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 
 
@@ -137,7 +137,8 @@ def run(mechanisms: Sequence[str], reps: int, device=None, dtype=None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="laminae-tour", description=__doc__.split("\n\n")[0])
-    parser.add_argument("mechanisms", nargs="*", default=MECHANISMS, help="subset of mechanism stems")
+    parser.add_argument("mechanisms", nargs="*", help="subset of mechanism stems (with --recipes: of fixtures; "
+                        "default: all)")
     parser.add_argument("--reps", type=int, default=3, help="timing repetitions")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="where to run (default: cuda when available, else cpu with the interpreter)")
@@ -148,9 +149,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.recipes:
         _prepare_environment()
-        from laminae.recipes.parity import report
+        from laminae.recipes.parity import FIXTURES, report
 
-        return report()
+        unknown = sorted(set(args.mechanisms) - set(FIXTURES))
+        if unknown:
+            parser.error(f"unknown fixtures {unknown}; choose from {list(FIXTURES)}")
+        return report(fixtures=args.mechanisms or None)
+    args.mechanisms = args.mechanisms or MECHANISMS
     unknown = sorted(set(args.mechanisms) - set(MECHANISMS))
     if unknown:
         parser.error(f"unknown mechanisms {unknown}; choose from {MECHANISMS}")

@@ -172,9 +172,28 @@ def test_loss_terms():
 
 
 
-def test_config_rules():
-    with pytest.raises(ConfigError, match="use_momentum_attention.*use_nitp"):
+def test_default_config_fails_once_listing_every_change_and_the_preset_builds():
+    with pytest.raises(ConfigError) as caught:
         nl.build(nl.NeoLLMConfig())
+    message = str(caught.value)
+    for change in [f"{k}=False" for k in nl.unsupported(nl.NeoLLMConfig())] + ["hidden_act='silu'"]:
+        assert change in message, change
+    assert "(9 to fix)" in message and "NeoLLMConfig.buildable" in message
+    sizes = {k: TINY[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim",
+                                  "generator_d_seed", "generator_krank")}
+    config = nl.NeoLLMConfig.buildable(**sizes)
+    nl.build(config)
+    # only what the toolkit lacks is changed; every other setting keeps the seed's default
+    changed = {f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(nl.NeoLLMConfig(), f.name)}
+    assert changed == set(nl.required_changes(nl.NeoLLMConfig())) | set(sizes)
+
+
+def test_embedding_multipliers_warn_that_they_are_inactive():
+    with pytest.warns(UserWarning, match="use_embedding_multipliers=True is inactive because use_learnable_multipliers"):
+        make(use_embedding_multipliers=True)
+
+
+def test_config_rules():
     with pytest.raises(ConfigError, match="unknown seed configuration keys.*'bogus'"):
         nl.NeoLLMConfig.from_seed_config({"bogus": 1})
     with pytest.raises(ConfigError, match="hidden_act"):
