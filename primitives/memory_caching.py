@@ -104,7 +104,7 @@ def memory_caching_reference(
     L = segment_len
     N = -(-S // L)
     pad = N * L - S
-    keep = torch.ones(B, S, dtype=cdt, device=q.device) if mask is None else mask.to(cdt)
+    keep = torch.ones(B, S, dtype=cdt, device=q.device) if mask is None else (mask != 0).to(cdt)
 
     def segments(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [B, N, L, ...]
         t = t.to(cdt)
@@ -375,8 +375,8 @@ class MemoryCacheBranch(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             xf = x.float()
             q, k, v, u, p = self._project(xf)
-            keep = None if attention_mask is None else attention_mask.to(torch.float32)
-            kf = torch.ones(B, S, device=x.device) if keep is None else keep
+            keep = None if attention_mask is None else attention_mask != 0   # an integer mask: 1 = keep
+            kf = torch.ones(B, S, device=x.device) if keep is None else keep.to(torch.float32)
             if cache is None or cache.length == 0:
                 y = self._readout(q, k, v, u, p, keep)
                 kept = kf[..., None, None] > 0

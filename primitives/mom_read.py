@@ -460,7 +460,7 @@ class MoMRead(nn.Module):
         self._check(x, M_blocks, state)
         B, S, D = x.shape
         check_same_device(x=x, attention_mask=attention_mask)
-        check_keep_mask("attention_mask", attention_mask, B, S)
+        attention_mask = check_keep_mask("attention_mask", attention_mask, B, S)
         (x,) = zero_padding(attention_mask, x)
         prefix_sum, count = (state.prefix_sum, state.count) if state is not None else (None, 0)
         prefix_kept = state.kept if state is not None else None

@@ -617,11 +617,7 @@ class MoSRAH(nn.Module):
             raise DTypeError(f"`x` dtype must match the module parameters ({weight.dtype}) outside autocast, "
                              f"got {x.dtype}")
         compiling = torch.compiler.is_compiling()
-        if attention_mask is not None:
-            if compiling:
-                check_tensor("attention_mask", attention_mask, dtypes=None, shape=(B, N))
-            else:
-                check_keep_mask("attention_mask", attention_mask, B, N)
+        check_keep_mask("attention_mask", attention_mask, B, N)
         if cache is not None:
             self._check_cache(cache, x)
         if position_ids is not None:

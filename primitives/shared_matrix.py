@@ -106,13 +106,10 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | 
         return None
     if x.dim() != 3:
         raise ShapeError(f"with `attention_mask`, `x` must be [batch, seq, cols], got shape {tuple(x.shape)}")
-    if attention_mask.is_floating_point() and bool((attention_mask < 0).any()):
-        raise ConfigError("`attention_mask` must be a 0/1 keep mask (True/1 = keep); additive 0/-inf masks "
-                          "are not accepted")
-    check_keep_mask("attention_mask", attention_mask, x.shape[0], x.shape[1])
-    if attention_mask.device != x.device:
-        raise DeviceError(f"`attention_mask` must be on the device of `x` ({x.device}), got {attention_mask.device}")
-    return attention_mask.bool()
+    keep = check_keep_mask("attention_mask", attention_mask, x.shape[0], x.shape[1])
+    if keep.device != x.device:
+        raise DeviceError(f"`attention_mask` must be on the device of `x` ({x.device}), got {keep.device}")
+    return keep
 
 
 # ----------------------------------------------------------------------------

@@ -463,9 +463,6 @@ class StackMemory(nn.Module):
                              "(module.to(dtype)) or run under torch.autocast")
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"`attention_mask` must be a torch.Tensor or None, got {type(attention_mask).__name__}")
-        if attention_mask is not None and attention_mask.is_floating_point() and bool((attention_mask < 0).any()):
-            raise ValueError("`attention_mask` must be a keep mask (True/1 = keep); additive float masks "
-                             "(0/−inf) are not accepted")
         check_keep_mask("attention_mask", attention_mask, B, T)
         if attention_mask is not None and attention_mask.device != x.device:
             raise DeviceError(f"`attention_mask` is on {attention_mask.device} but `x` is on {x.device}")
@@ -526,6 +523,7 @@ class StackMemory(nn.Module):
     ) -> StackMemoryOutput:
         self._check(x, state, attention_mask, cache)
         B, T, _ = x.shape
+        attention_mask = None if attention_mask is None else attention_mask != 0   # an integer mask: 1 = keep
         out_dtype = x.dtype
         fn = self._function(x)
         w_a, w_down, w_up, gate, g, b_a, b_down, b_up = self._params()

@@ -160,14 +160,62 @@ def test_cache_of_another_configuration_is_refused():
 # ----------------------------------------------------------------------------
 
 
+FLOAT_MASKS = {
+    "all-zero additive (an unpadded batch)": torch.zeros(2, 5),
+    "additive": torch.zeros(2, 5).index_fill_(1, torch.tensor([0, 1]), float("-inf")),
+    "0./1. keep": torch.ones(2, 5),
+}
+
+
 @pytest.mark.parametrize("block", MASKED, ids=lambda b: b.name)
-def test_additive_mask_is_refused(block):
-    """A Hugging Face additive mask (0 keep, -inf drop) read as a keep mask would be
-    inverted; Elo used to do exactly that with ``.bool()``."""
-    additive = torch.zeros(2, 5)
-    additive[0, :2] = float("-inf")
-    with pytest.raises(ValueError, match="additive"):
-        block.run(block.build("reference"), _x(T=5), additive, None)
+def test_floating_mask_is_refused_by_dtype(block):
+    """A floating mask is refused whatever its values, with the sentence that converts
+    it: the additive mask of an unpadded batch is all zeros, which read as a keep mask
+    dropped every token (DERF, LUCID, Elo and MoSRAH returned exact zeros)."""
+    m = block.build("reference")
+    for kind, mask in FLOAT_MASKS.items():
+        with pytest.raises(DTypeError, match=r"attention_mask=\(mask == 0\)`; .* `attention_mask=mask.bool\(\)`"):
+            block.run(m, _x(T=5), mask, None)
+
+
+@pytest.mark.parametrize("block", MASKED, ids=lambda b: b.name)
+def test_integer_mask_reads_as_nonzero(block):
+    """Tokenizers return integer 0/1 masks; they mean what the bool mask means."""
+    m = block.build("reference")
+    x = _x(T=6)
+    mask = _padding("left+hole")
+    with torch.no_grad():
+        want, _ = block.run(m, x, mask, None)
+        got, _ = block.run(m, x, mask.long(), None)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def _host_syncs(fn) -> int:
+    """How many times ``fn`` read a tensor value back to the host (``.item()``, ``bool(t)``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def test_integer_mask_values_are_checked_only_in_debug_mode(monkeypatch):
+    from laminae.primitives._validation import check_keep_mask
+
+    mask = torch.tensor([[1, 0, 2]])
+    monkeypatch.delenv("LAMINAE_DEBUG", raising=False)
+    assert _host_syncs(lambda: check_keep_mask("attention_mask", mask, 1, 3)) == 0
+    assert check_keep_mask("attention_mask", mask, 1, 3).tolist() == [[True, False, True]]
+    monkeypatch.setenv("LAMINAE_DEBUG", "1")
+    with pytest.raises(ConfigError, match="only 0 and 1"):
+        check_keep_mask("attention_mask", mask, 1, 3)
 
 
 def _padding(layout: str) -> torch.Tensor:

@@ -597,7 +597,7 @@ def memory_caching(
         raise ConfigError(f"Triton memory caching supports head_dim <= {MAX_HEAD_DIM} (any segment_len); "
                           f"got head_dim={D}. Use the reference backend for larger heads")
     keep = (torch.ones(B, S, dtype=torch.float32, device=q.device) if mask is None
-            else mask.to(torch.float32)).contiguous()
+            else (mask != 0).to(torch.float32)).contiguous()
     gamma = segment_gates(u, p, keep, int(segment_len)).contiguous()
     y, _ = memory_caching_core(q.contiguous(), k.contiguous(), v.contiguous(), gamma, keep,
                                int(segment_len), float(eps))

@@ -264,7 +264,7 @@ def test_bad_mask_and_buffers_raise_named_errors():
         gen(ids[0], attention_mask=torch.ones(3))
     with pytest.raises(ShapeError, match="attention_mask"):
         gen(ids, attention_mask=torch.ones(1, 4))
-    with pytest.raises(ValueError, match="only 0 and 1"):   # additive float masks are refused
+    with pytest.raises(DTypeError, match="mask == 0"):   # additive float masks are refused
         gen(ids, attention_mask=torch.tensor([[0.0, float("-inf"), 0.0]]))
     gen.knot_grid = torch.linspace(0, 1, 9)
     with pytest.raises(ShapeError, match="knot_grid"):

@@ -302,7 +302,7 @@ def test_constructor_errors():
         LucidAttention(4, 2, 8, backend="cuda")
 
 
-def test_forward_errors_name_the_argument():
+def test_forward_errors_name_the_argument(monkeypatch):
     m = LucidAttention(4, 2, 8)
     q, k, v = _qkv(2, 5, 5, 4, 2, 8, dtype=torch.float32)
     with pytest.raises(ShapeError, match="`q`"):
@@ -315,8 +315,12 @@ def test_forward_errors_name_the_argument():
         m(q, k, v[..., :7])
     with pytest.raises(ShapeError, match="`attention_mask`"):
         m(q, k, v, torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="0 and 1"):
+    with pytest.raises(DTypeError, match="attention_mask"):
+        m(q, k, v, torch.ones(2, 5))
+    monkeypatch.setenv("LAMINAE_DEBUG", "1")   # integer masks' values are read only in debug mode
+    with pytest.raises(ConfigError, match="0 and 1"):
         m(q, k, v, torch.full((2, 5), 2))
+    monkeypatch.delenv("LAMINAE_DEBUG")
     with pytest.raises(DTypeError):
         m(q, k.double(), v)
     with pytest.raises(DTypeError):

@@ -435,7 +435,7 @@ def test_input_errors():
         m(x, position_ids=torch.arange(1, 6).expand(2, 5))
     with pytest.raises(ConfigError, match="YaRN limit"):
         m(torch.randn(2, 40, 16))
-    with pytest.raises(ValueError, match="0 and 1"):
+    with pytest.raises(DTypeError, match="additive"):
         m(x, attention_mask=torch.zeros(2, 5).masked_fill(torch.eye(2, 5).bool(), float("-inf")))
     with pytest.raises(ShapeError, match="attention_mask"):
         m(x, attention_mask=torch.ones(2, 4, dtype=torch.bool))
