@@ -145,9 +145,9 @@ def load_balance_loss(expert_bias: torch.Tensor, freq: torch.Tensor, any_live: t
 
 class Routing(NamedTuple):
     indices: torch.Tensor       # [B, N, K] int64 selected heads, by descending biased probability
-    weights: torch.Tensor       # [B, N, K] fp32 renormalised clean probabilities P
+    weights: torch.Tensor       # [B, N, K] renormalised clean probabilities P (fp32, fp64 for fp64 x)
     load_balance_loss: torch.Tensor  # 0-dim, gradient to expert_bias only
-    max_vio: torch.Tensor       # 0-dim, detached
+    max_vio: torch.Tensor       # 0-dim, detached, in the routing precision
 
 
 def _keep(attention_mask: torch.Tensor | None, B: int, N: int, device) -> torch.Tensor:
@@ -165,7 +165,10 @@ def sanitize_padding(x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
 
 def mosrah_route(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: torch.Tensor, top_k: int,
                  attention_mask: torch.Tensor | None = None) -> Routing:
-    """The "topk_bias" router on ``x`` ``[B, N, d]`` (fp32 logits, errata E5 selection)."""
+    """The "topk_bias" router on ``x`` ``[B, N, d]`` (fp32 logits, errata E5 selection).
+
+    Logits, routing frequencies, the load-balance loss and MaxVio are computed in
+    ``promote_types(x.dtype, float32)``: float64 inputs stay float64 throughout."""
     B, N, _ = x.shape
     L = routing_weight.shape[0]
     live = _keep(attention_mask, B, N, x.device)
@@ -178,7 +181,7 @@ def mosrah_route(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: tor
     chosen = probs.gather(-1, indices)
     weights = chosen / chosen.sum(-1, keepdim=True)
     with torch.no_grad():
-        assigned = torch.zeros(B, N, L, dtype=torch.float32, device=x.device).scatter_(-1, indices, 1.0)
+        assigned = torch.zeros(B, N, L, dtype=compute, device=x.device).scatter_(-1, indices, 1.0)
         per_head = torch.where(live[..., None], assigned, 0.0).sum((0, 1))
         n_live = live.sum()
         any_live = n_live > 0

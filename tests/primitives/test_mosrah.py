@@ -105,6 +105,17 @@ def test_load_balance_loss_and_max_vio_by_hand():
     assert balanced.load_balance_loss == 0 and balanced.max_vio == 0
 
 
+def test_float64_routing_statistics_stay_float64():
+    """f, LB and MaxVio in the input precision: L = 3, K = 1, heads 0,0,0,1,1,2,2 →
+    f = [3, 2, 2] / 7, LB = 4/21, MaxVio = 2/7 (fp32 rounds each at ~1e-8)."""
+    x = torch.eye(3, dtype=torch.float64)[[0, 0, 0, 1, 1, 2, 2]][None]
+    r = mosrah_route(x, torch.eye(3, dtype=torch.float64) * 10, torch.zeros(3, dtype=torch.float64), 1)
+    assert r.load_balance_loss.dtype == r.max_vio.dtype == torch.float64
+    assert abs(r.load_balance_loss.item() - 4 / 21) < 1e-15 and abs(r.max_vio.item() - 2 / 7) < 1e-15
+    out = _module(L=4, K=1).double()(torch.randn(2, 5, 24, dtype=torch.float64))
+    assert out.output.dtype == out.load_balance_loss.dtype == out.max_vio.dtype == torch.float64
+
+
 def test_load_balance_gradient_drives_only_the_bias():
     m = _module(L=4, K=1)
     x = torch.randn(2, 7, 24, requires_grad=True)
