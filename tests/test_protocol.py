@@ -2,6 +2,7 @@
 autocast, named errors, exports. Each test guards a silent wrong result or a
 convention a new user relies on; shapes are tiny, reference backend unless the
 kernel path is the point."""
+import copy
 import importlib
 import inspect
 import math
@@ -17,6 +18,8 @@ from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.primitives.laurel import laurel_reference
 
 from ._blocks import BLOCKS, BY_NAME, HIDDEN
+from ._helpers import host_reads
+from ._mechanisms import CASES
 
 MASKED = [b for b in BLOCKS if b.masked]
 
@@ -190,28 +193,12 @@ def test_integer_mask_reads_as_nonzero(block):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def _host_syncs(fn) -> int:
-    """How many times ``fn`` read a tensor value back to the host (``.item()``, ``bool(t)``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += func is torch.ops.aten._local_scalar_dense.default
-            return func(*args, **(kwargs or {}))
-
-    with Count():
-        fn()
-    return Count.n
-
-
 def test_integer_mask_values_are_checked_only_in_debug_mode(monkeypatch):
     from laminae.primitives._validation import check_keep_mask
 
     mask = torch.tensor([[1, 0, 2]])
     monkeypatch.delenv("LAMINAE_DEBUG", raising=False)
-    assert _host_syncs(lambda: check_keep_mask("attention_mask", mask, 1, 3)) == 0
+    assert host_reads(lambda: check_keep_mask("attention_mask", mask, 1, 3)) == 0
     assert check_keep_mask("attention_mask", mask, 1, 3).tolist() == [[True, False, True]]
     monkeypatch.setenv("LAMINAE_DEBUG", "1")
     with pytest.raises(ConfigError, match="only 0 and 1"):
@@ -339,6 +326,61 @@ def test_triton_backend_under_torch_compile_on_cpu_is_refused():
     compiled = torch.compile(xsa, backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="torch.compile needs CUDA"):
         compiled(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4))
+
+
+def _data_dependent(graph: torch.fx.GraphModule) -> list[str]:
+    """Nodes of a captured graph whose value or size depends on tensor data (an
+    ``.item()``, a boolean index, a size read from a tensor): a graph break without
+    ``fullgraph=True``, an unbacked size inductor cannot lower, a host sync in eager."""
+    found = []
+    for node in graph.graph.nodes:
+        value = node.meta.get("example_value")
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) or (
+                    isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape)):
+                found.append(node.format_node())
+    return found
+
+
+def test_every_mechanism_has_a_tiny_case():
+    from laminae.triton_ops.tour import MECHANISMS
+
+    assert [c.stem for c in CASES] == MECHANISMS, "add the mechanism to tests/_mechanisms.py"
+
+
+def _compile_case(case):
+    marks = []
+    if case.stem == "spelling_bee":
+        marks.append(pytest.mark.xfail(strict=True, reason="bool(self.table_ready) reads a buffer on the host "
+                                                             "in forward; fixed in the Spelling Bee module"))
+    return pytest.param(case, id=case.stem, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_compile_case(c) for c in CASES])
+def test_every_mechanism_compiles_to_one_static_graph(case):
+    """``torch.compile(fullgraph=True)`` of each mechanism's reference path, forward and
+    backward through one compiled artefact: one graph with static shapes (MoSRAH's
+    packing read the largest head load with ``.item()`` and moved rows by boolean
+    indexing), equal to eager."""
+    torch._dynamo.reset()
+    module = case.build("reference")
+    eager = copy.deepcopy(module)           # training mode: the same state updates (affine's EMA) on both
+    graphs = []
+
+    def capture(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(lambda *inputs: case.call(module, *inputs), fullgraph=True, backend=capture)
+    inputs = [t.requires_grad_() if t.is_floating_point() else t for t in case.inputs(2, 3)]
+    outs = compiled(*inputs)
+    sum(o.float().sum() for o in outs).backward()
+    assert len(graphs) == 1 and not _data_dependent(graphs[0]), _data_dependent(graphs[0])
+    grads = [t.grad for t in inputs if t.is_floating_point()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():
+        for got, want in zip(outs, case.call(eager, *inputs)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from laminae.primitives.mosrah import (MoSRAH, MoSRAHCache, load_balance_loss, m
                                        pack_experts, pack_rows, unpack_experts, yarn_rope)
 
 from . import _shram_tiny
+from .._helpers import host_reads
 
 
 def _module(d=24, L=5, K=2, u=16, **kw):
@@ -453,6 +454,21 @@ def test_input_errors():
     if torch.cuda.is_available():
         with pytest.raises(DeviceError):
             m(x.cuda())
+
+
+def test_default_positions_are_bounded_without_reading_them():
+    """The default positions stay below positions seen + N, known on the host: an eager
+    forward reads one value back (the reference packing's largest head load), not the
+    positions (two more reads, a device sync each on a GPU)."""
+    m = _module()
+    x, keep = torch.randn(2, 7, 24), torch.ones(2, 7, dtype=torch.bool)
+    keep[0, :3] = False
+    assert host_reads(lambda: m(x, attention_mask=keep)) == 1
+    with pytest.raises(ConfigError, match="YaRN limit"):       # past the bound the positions are read
+        m(torch.randn(1, 70, 24))
+    padded = torch.ones(1, 70, dtype=torch.bool)
+    padded[:, :10] = False                                      # 60 live tokens fit in 64 positions
+    m(torch.randn(1, 70, 24), attention_mask=padded)
 
 
 def test_cache_errors():
