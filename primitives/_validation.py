@@ -4,6 +4,7 @@ the source."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Sequence
 
@@ -43,6 +44,25 @@ def check_tensor(
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise DTypeError(f"`{name}` must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
     return t
+
+
+def check_has_tokens(name: str, t: torch.Tensor, token_dims: int | None = 2) -> None:
+    """The empty-input rule (docs/protocol.md, "Empty inputs"): a block refuses an input
+    without tokens (a batch or a sequence of size 0) with ShapeError, before any kernel.
+    ``token_dims``: the leading dims that index tokens, 2 for ``[batch, seq, ...]``, None
+    for a token-wise ``[..., D]`` input (every dim but the last)."""
+    dims = t.shape[:-1] if token_dims is None else t.shape[:token_dims]
+    if math.prod(dims) == 0:
+        raise ShapeError(f"`{name}` must hold at least one token, got shape {tuple(t.shape)}")
+
+
+def check_context(name: str, past: int, new: int, max_positions: int | None) -> None:
+    """A model's context rule (docs/protocol.md, "Context length"): cached plus new
+    tokens fit ``max_positions`` (``None``: no limit). Both are known on the host, so a
+    sequence past a rotary table or a YaRN range is a ShapeError before any kernel."""
+    if max_positions is not None and past + new > max_positions:
+        raise ShapeError(f"`{name}`: {past} cached + {new} new tokens exceed the context "
+                         f"max_positions={max_positions}")
 
 
 def check_same_device(**tensors: torch.Tensor | None) -> None:

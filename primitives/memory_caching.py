@@ -32,7 +32,7 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import AppendBuffer, DecodingCache, check_cache
 from ._errors import DeviceError, ShapeError
-from ._validation import (FLOAT_DTYPES, check_keep_mask, check_positive_float, check_positive_int,
+from ._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_positive_float, check_positive_int,
                           check_same_device, check_same_dtype, check_tensor, zero_padding)
 
 _warned_tiles: set[tuple[int, int]] = set()
@@ -338,8 +338,7 @@ class MemoryCacheBranch(nn.Module):
         check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="[batch, seq, hidden]")
         if x.shape[-1] != self.hidden_size:
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
-        if x.shape[1] == 0:
-            raise ShapeError(f"`x` needs at least one token, got shape {tuple(x.shape)}")
+        check_has_tokens("x", x)
         check_same_device(x=x, attention_mask=attention_mask, weight=self.q_proj.weight)
         check_keep_mask("attention_mask", attention_mask, x.shape[0], x.shape[1])
         if cache is not None:

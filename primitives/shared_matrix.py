@@ -36,7 +36,7 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import check_choice, check_keep_mask, check_positive_int, check_tensor
+from ._validation import check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
 
 __all__ = [
     "MATRICES", "VARIANTS", "ElasticTiers", "SharedMatrix", "Readout",
@@ -278,6 +278,7 @@ class SharedMatrix(nn.Module):
         w = self.full_weight
         if x.dim() == 0:
             raise ShapeError("`x` must be [..., cols], got a 0-dim tensor")
+        check_has_tokens("x", x, None)
         if torch.is_autocast_enabled(x.device.type):
             # The block is combined in the parameter dtype and cast to the autocast
             # dtype for the matmul, as F.linear under autocast would do with the seed's block.

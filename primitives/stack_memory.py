@@ -37,7 +37,7 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import check_choice, check_keep_mask, check_positive_int, check_tensor
+from ._validation import check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
 
 __all__ = [
     "stack_actions_reference", "stack_update_reference", "stack_read_reference", "stack_step_reference",
@@ -453,8 +453,7 @@ class StackMemory(nn.Module):
         B, T, D = x.shape
         if D != self.hidden_size:
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
-        if T == 0:
-            raise ShapeError(f"`x` needs at least one token, got shape {tuple(x.shape)}")
+        check_has_tokens("x", x)
         weight = self.action_head.weight
         if x.device != weight.device:
             raise DeviceError(f"`x` is on {x.device} but the parameters are on {weight.device}")

@@ -12,7 +12,7 @@ import torch
 
 from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigError, DecodingCache, DERFAttention,
                                 DTypeError, EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL,
-                                MoMRead, MoSRAH, SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend,
+                                MoMRead, MoSRAH, ShapeError, SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend,
                                 use_backend)
 from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.primitives.laurel import laurel_reference
@@ -340,6 +340,44 @@ def _data_dependent(graph: torch.fx.GraphModule) -> list[str]:
                     isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape)):
                 found.append(node.format_node())
     return found
+
+
+def _layer_cases():
+    """The attention layers around the mechanisms, as (name, build(backend), inputs(batch, seq), call)."""
+    from laminae.primitives import GroupedQueryAttention, SlidingWindowAttention
+
+    x = lambda b, s: (torch.randn(b, s, HIDDEN),)                              # noqa: E731
+    hybrid = BY_NAME["hybrid_attention"]
+    return [
+        ("grouped_query_attention", lambda be: GroupedQueryAttention(HIDDEN, 2, 1, 8, core=DERFAttention(2, 1, 8,
+                                                                                                     backend=be)),
+         x, lambda m, h: m(h, torch.arange(h.shape[1])[None])),
+        ("sliding_window_attention", lambda be: SlidingWindowAttention(HIDDEN, 2, 8, window_size=3, backend=be),
+         x, lambda m, h: m(h, torch.zeros(h.shape[:2], dtype=torch.long), torch.ones(h.shape[:2], dtype=torch.bool))),
+        ("hybrid_attention", hybrid.build, x, lambda m, h: hybrid.call(m, h, None, None)),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_an_input_without_tokens_is_refused_by_every_block(backend):
+    """The empty-input rule (docs/protocol.md): a batch or a sequence of size 0 is a
+    ShapeError naming the argument, on either backend, before any kernel (four blocks
+    refused S = 0 and three returned empty outputs; MoSRAH and Memory Caching crashed
+    on a batch of 0)."""
+    cases = [(c.stem, c.build, c.inputs, c.call) for c in CASES] + _layer_cases()
+    wrong = []
+    for name, build, inputs, call in cases:
+        module = build(backend)
+        for batch, seq in ((2, 0), (0, 3)):
+            try:
+                call(module, *inputs(batch, seq))
+                wrong.append((name, batch, seq, "accepted"))
+            except ShapeError as e:
+                if "at least one token" not in str(e):
+                    wrong.append((name, batch, seq, str(e)))
+            except Exception as e:  # noqa: BLE001 (a raw error is what the rule replaces)
+                wrong.append((name, batch, seq, f"{type(e).__name__}: {e}"))
+    assert not wrong, "\n".join(map(str, wrong))
 
 
 def test_every_mechanism_has_a_tiny_case():

@@ -331,7 +331,7 @@ def test_bad_inputs_raise():
         m(x, q, k, v, attention_mask=torch.full((2, 5), 2.0))
     with pytest.raises(DTypeError):
         m(x, q, k.double(), v)
-    with pytest.raises(ShapeError, match="at least one query"):
+    with pytest.raises(ShapeError, match="at least one token"):
         m(x[:, :0], q[:, :0], k, v)
     with pytest.raises(TypeError):
         m(x, q.tolist(), k, v)

@@ -193,10 +193,11 @@ def test_autocast_leaves_the_generator_in_its_parameter_dtype():
     torch.testing.assert_close(out, gen(ids))
 
 
-def test_empty_input_gives_an_empty_embedding():
-    gen = _tiny(torch.float32)
-    assert gen(torch.zeros(0, dtype=torch.long)).shape == (0, 5)
-    assert gen(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0, 5)
+def test_an_input_without_tokens_is_refused():
+    gen = _tiny(torch.float32)       # the empty-input rule of docs/protocol.md
+    for ids in (torch.zeros(0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ShapeError, match="at least one token"):
+            gen(ids)
 
 
 def test_attention_mask_padding_never_reaches_kept_positions():

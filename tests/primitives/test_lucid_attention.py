@@ -91,12 +91,12 @@ def test_single_token_returns_v_over_its_diagonal():
     torch.testing.assert_close(out, v.expand(1, 1, 2, 8), atol=1e-4, rtol=0)
 
 
-def test_empty_sequence_returns_empty_output():
+def test_empty_sequence_empty_reference_output_and_a_refusing_module():
     q, k, v = _qkv(2, 0, 0, 2, 1, 8)
     out = lucid_attention_reference(q, k, v)
     assert out.shape == (2, 0, 2, 8)
-    out, cache = LucidAttention(2, 1, 8)(q, k, v)
-    assert out.shape == (2, 0, 2, 8) and cache.seq_len == 0
+    with pytest.raises(ShapeError, match="at least one token"):   # the module: the empty-input rule
+        LucidAttention(2, 1, 8)(q, k, v)
 
 
 # ---------------------------------------------------------------- padding rule
