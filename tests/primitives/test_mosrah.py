@@ -357,6 +357,24 @@ def test_padded_prefill_decodes_like_the_forward_with_live_rank_horizon():
     torch.testing.assert_close(_decode(raw, all_live, 6)[0], m(all_live).output, atol=1e-5, rtol=0)
 
 
+def test_semantic_positions_after_a_padded_prefill_follow_the_live_count():
+    """semantic_sequence: a slot's position is its index in the head's packed sequence,
+    dead copies included, plus the head's cached count, which counts live copies only
+    (the spec's rule, docs/mechanisms/mosrah.md). After a padded prefill the steps sit
+    at smaller positions than in the uncached forward, so they differ from it; the
+    prefill matches, and so does everything without padding or in main_sequence."""
+    x = torch.randn(2, 10, 24)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, :3] = False
+    for rope_mode, steps_match in (("main_sequence", True), ("semantic_sequence", False)):
+        m = _module(L=4, K=2, rope_mode=rope_mode)
+        full = m(x, attention_mask=mask).output
+        dec, cache = _decode(m, x, 6, mask)
+        assert (dec[:, :6] - full[:, :6]).abs().max() <= 1e-5
+        assert ((dec[:, 6:] - full[:, 6:]).abs().max() <= 1e-5) == steps_match, rope_mode
+        assert cache.counts.sum().item() == 2 * int(mask.sum())     # K = 2 live copies per live token
+
+
 def test_cache_is_not_mutated_and_beams_branch():
     m = _module(L=4, K=2)
     x = torch.randn(2, 8, 24)
