@@ -48,8 +48,8 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import (check_choice, check_keep_mask, check_positive_int, check_same_device, check_tensor,
-                          debug_checks_enabled)
+from ._validation import (check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
+                          check_tensor, debug_checks_enabled)
 
 __all__ = [
     "ROPE_MODES",
@@ -622,8 +622,7 @@ class MoSRAH(nn.Module):
         B, N, d = x.shape
         if d != self.embedding_width:
             raise ShapeError(f"`x` last dim must be embedding_width={self.embedding_width}, got {d}")
-        if B == 0 or N == 0:
-            raise ShapeError(f"`x` must hold at least one token (batch and sequence ≥ 1), got shape {tuple(x.shape)}")
+        check_has_tokens("x", x)
         weight = self.bea.q_proj
         check_same_device(x=x, parameters=weight, position_ids=position_ids, attention_mask=attention_mask)
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
