@@ -325,12 +325,13 @@ def test_functional_ops_on_cpu_without_the_interpreter_say_what_to_do(monkeypatc
     """Every exported op checks its tensors' device as the modules do: Triton's own
     error was "0 active drivers ([]). There should only be one."."""
     ops = importlib.import_module("laminae.triton_ops")
+    exported = [getattr(ops, name) for name in ops._EXPORTS]   # kernel files imported while interpreting
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(BackendUnavailableError, match="on CPU set TRITON_INTERPRET=1 before importing triton"):
         ops.xsa(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4))
-    for name in ops._EXPORTS:     # the check comes first, whatever the arguments
+    for op in exported:           # the check comes first, whatever the arguments
         with pytest.raises(BackendUnavailableError, match="needs CUDA tensors"):
-            getattr(ops, name)(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 1, 4))
+            op(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 1, 4))
 
 
 def test_triton_backend_under_torch_compile_on_cpu_is_refused():
