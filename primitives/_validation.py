@@ -4,6 +4,8 @@ the source."""
 from __future__ import annotations
 
 import contextlib
+import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -44,6 +46,25 @@ def check_tensor(
     return t
 
 
+def check_has_tokens(name: str, t: torch.Tensor, token_dims: int | None = 2) -> None:
+    """The empty-input rule (docs/protocol.md, "Empty inputs"): a block refuses an input
+    without tokens (a batch or a sequence of size 0) with ShapeError, before any kernel.
+    ``token_dims``: the leading dims that index tokens, 2 for ``[batch, seq, ...]``, None
+    for a token-wise ``[..., D]`` input (every dim but the last)."""
+    dims = t.shape[:-1] if token_dims is None else t.shape[:token_dims]
+    if math.prod(dims) == 0:
+        raise ShapeError(f"`{name}` must hold at least one token, got shape {tuple(t.shape)}")
+
+
+def check_context(name: str, past: int, new: int, max_positions: int | None) -> None:
+    """A model's context rule (docs/protocol.md, "Context length"): cached plus new
+    tokens fit ``max_positions`` (``None``: no limit). Both are known on the host, so a
+    sequence past a rotary table or a YaRN range is a ShapeError before any kernel."""
+    if max_positions is not None and past + new > max_positions:
+        raise ShapeError(f"`{name}`: {past} cached + {new} new tokens exceed the context "
+                         f"max_positions={max_positions}")
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> None:
     present = {k: v for k, v in tensors.items() if v is not None}
     devices = {k: v.device for k, v in present.items()}
@@ -59,30 +80,42 @@ def check_same_dtype(**tensors: torch.Tensor | None) -> None:
         raise DTypeError(f"activations must share one dtype, got {listing}")
 
 
-def check_keep_mask(name: str, mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
-    """A 2-D ``(batch, length)`` keep mask: bool, or numeric holding only 0 and 1
-    (True/1 = keep). Additive float masks (0 = keep, −inf = drop, the Hugging Face
-    convention) are refused: read as a keep mask they would be silently inverted.
+INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
-    The value scan reads the mask on the host, so it is skipped while compiling."""
+
+def debug_checks_enabled() -> bool:
+    """``LAMINAE_DEBUG=1`` turns on the value checks that read tensors back to the host
+    (a device sync per call), off by default; functions that have one also take
+    ``validate=`` to decide per call."""
+    return os.environ.get("LAMINAE_DEBUG", "0") not in ("", "0")
+
+
+def check_keep_mask(name: str, mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    """A 2-D ``(batch, length)`` keep mask (True = keep), returned as bool.
+
+    bool, or an integer tensor as tokenizers return (read as ``mask != 0``). A floating
+    mask is refused by its dtype, never by its values: an additive mask (0 = keep,
+    -inf = drop) is all zeros on an unpadded batch, which read as a keep mask would drop
+    every token. Checking that an integer mask holds only 0 and 1 reads it on the host,
+    so it runs only with ``LAMINAE_DEBUG=1`` (and never while compiling)."""
     if mask is None:
         return None
     check_tensor(name, mask, dtypes=None, shape=(batch, length), layout="(batch, seq) keep mask")
     if mask.dtype == torch.bool:
         return mask
-    if not (mask.is_floating_point() or mask.dtype in (torch.int8, torch.int16, torch.int32, torch.int64,
-                                                       torch.uint8)):
-        raise DTypeError(f"`{name}` must be bool or a 0/1 numeric tensor, got {mask.dtype}")
-    if torch.compiler.is_compiling() or mask.device.type == "meta":
-        return mask
-    if not bool(((mask == 0) | (mask == 1)).all()):
-        hint = ""
-        if mask.is_floating_point() and bool((mask < 0).any()):
-            hint = (" It looks like an additive mask (0 = keep, -inf or a large negative = drop); "
-                    f"pass `{name}=(mask == 0)` instead.")
-        raise ValueError(f"`{name}` must be a keep mask (bool, or only 0 and 1; True/1 = keep), got other values "
-                         f"(min {float(mask.min())}, max {float(mask.max())}).{hint}")
-    return mask
+    if mask.is_floating_point():
+        raise DTypeError(
+            f"`{name}` must be a keep mask of dtype bool (True = keep) or integer 0/1, got "
+            f"{str(mask.dtype).replace('torch.', '')}: for an additive mask (0 = keep, -inf = drop) pass "
+            f"`{name}=(mask == 0)`; for a 0./1. float keep mask pass `{name}=mask.bool()`")
+    if mask.dtype not in INTEGER_DTYPES:
+        raise DTypeError(f"`{name}` must be a keep mask of dtype bool or integer 0/1, got "
+                         f"{str(mask.dtype).replace('torch.', '')}")
+    if debug_checks_enabled() and not torch.compiler.is_compiling() and mask.device.type != "meta":
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ConfigError(f"`{name}` must hold only 0 and 1 (1 = keep), got values in "
+                              f"[{int(mask.min())}, {int(mask.max())}]")
+    return mask != 0
 
 
 def zero_padding(mask: torch.Tensor | None, *tensors: torch.Tensor | None) -> tuple:

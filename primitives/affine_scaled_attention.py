@@ -31,6 +31,7 @@ from ._cache import AppendBuffer, KVCache
 from ._errors import ConfigError, ShapeError
 from ._validation import (
     check_choice,
+    check_has_tokens,
     check_keep_mask,
     check_positive_int,
     check_same_device,
@@ -240,8 +241,7 @@ class AffineScaledAttention(nn.Module):
         check_tensor("v", v, shape=(B, k.shape[1], Hkv, D), layout=kv_layout)
         check_same_dtype(q=q, k=k, v=v)
         check_same_device(x=x, q=q, k=k, v=v, attention_mask=attention_mask, weight=self.alpha_proj.weight)
-        if S == 0:
-            raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
+        check_has_tokens("q", q)
         if cache is not None:
             if not isinstance(cache, AffineScaledAttentionCache):
                 raise TypeError(f"`cache` must be an AffineScaledAttentionCache or None, got {type(cache).__name__}")

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._errors import ConfigError, ShapeError
-from ._validation import check_keep_mask, check_same_device, check_tensor
+from ._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
+                          check_tensor)
 from ._cache import DecodingCache
 from .gqa import GroupedQueryAttention
 from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
@@ -274,6 +275,8 @@ class DecoderModel(nn.Module):
         refiner: ``(name, module)`` called as ``module(x, return_all=...)`` before the
             final norm (HRM refinement); ``deep_supervision`` keeps its states in training.
         shared: model-level parameters handed to every branch by name (Naylis' bank).
+        max_positions: the context (cached + new tokens); longer inputs raise ShapeError
+            before any layer runs (None: no limit).
 
     ``forward(input_ids [B, S], attention_mask=None, cache=None) -> DecoderOutput``.
     """
@@ -282,8 +285,12 @@ class DecoderModel(nn.Module):
                  plan: Sequence[tuple[int, int | None]] | None = None, loop_pass_embed: bool = False,
                  hc_mult: int = 1, input_stage: tuple[str, nn.Module] | None = None,
                  value_embedding: bool = False, refiner: tuple[str, nn.Module] | None = None,
-                 deep_supervision: bool = False, shared: dict[str, nn.Parameter] | None = None) -> None:
+                 deep_supervision: bool = False, shared: dict[str, nn.Parameter] | None = None,
+                 max_positions: int | None = None) -> None:
         super().__init__()
+        if max_positions is not None:
+            check_positive_int("max_positions", max_positions)
+        self.max_positions = max_positions
         self.embed_tokens = embed_tokens
         self.layers = nn.ModuleList(layers)
         self.plan = list(plan) if plan is not None else [(i, None) for i in range(len(layers))]
@@ -314,8 +321,7 @@ class DecoderModel(nn.Module):
 
     def _check(self, input_ids, attention_mask, cache) -> None:
         check_tensor("input_ids", input_ids, ndim=2, dtypes=(torch.int64, torch.int32), layout="(batch, seq)")
-        if input_ids.shape[1] == 0:
-            raise ShapeError("`input_ids` has an empty sequence; the model needs at least one token")
+        check_has_tokens("input_ids", input_ids)
         check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
         check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=self.embed_tokens.weight)
         if cache is not None:
@@ -323,6 +329,7 @@ class DecoderModel(nn.Module):
                 raise TypeError(f"`cache` must be a DecoderCache or None, got {type(cache).__name__}")
             if cache.signature is not None and cache.signature != self.signature:
                 raise ConfigError(f"`cache` belongs to a decoder {cache.signature}, this one is {self.signature}")
+        check_context("input_ids", cache.length if cache is not None else 0, input_ids.shape[1], self.max_positions)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: DecoderCache | None = None) -> DecoderOutput:

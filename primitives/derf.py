@@ -39,6 +39,7 @@ from ._backend import Backend, check_backend, resolve_backend
 from ._cache import AppendBuffer, KVCache
 from ._errors import ConfigError, DTypeError, ShapeError
 from ._validation import (
+    check_has_tokens,
     check_keep_mask,
     check_positive_int,
     check_same_device,
@@ -289,6 +290,7 @@ class DERFAttention(nn.Module):
         check_tensor("k", k, shape=(q.shape[0], None, self.num_kv_heads, self.head_dim),
                      layout="[batch, keys, num_kv_heads, head_dim]")
         check_tensor("v", v, shape=tuple(k.shape), layout="[batch, keys, num_kv_heads, head_dim]")
+        check_has_tokens("q", q)
         q, k, v = match_activation_dtypes(q=q, k=k, v=v)
         if cache is not None:
             if not isinstance(cache, DERFCache):
@@ -358,6 +360,7 @@ class DERFContextGate(nn.Module):
         if retrieved.dim() == 0 or retrieved.shape[-1] != self.obs_size:
             raise ShapeError(
                 f"last dim of `retrieved` must be obs_size={self.obs_size}, got shape {tuple(retrieved.shape)}")
+        check_has_tokens("retrieved", retrieved, None)
         if x.shape != retrieved.shape:
             raise ShapeError(
                 f"`x` must have the shape of `retrieved` {tuple(retrieved.shape)}, got {tuple(x.shape)}")

@@ -31,7 +31,8 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, ShapeError
-from ._validation import check_choice, check_keep_mask, check_positive_int, check_tensor
+from ._validation import (check_choice, check_context, check_has_tokens, check_keep_mask, check_positive_int,
+                          check_tensor)
 from .decoder import DecoderCache, LMOutput
 from .gqa import KVCache, sdpa_core
 from .norms import RMSNorm, rms_norm
@@ -218,8 +219,7 @@ class ElasticCausalLM(nn.Module):
 
     def _check(self, input_ids, attention_mask, cache, tier) -> tuple[str, int]:
         check_tensor("input_ids", input_ids, ndim=2, dtypes=(torch.int64, torch.int32), layout="(batch, seq)")
-        if input_ids.shape[1] == 0:
-            raise ShapeError("`input_ids` has an empty sequence; the model needs at least one token")
+        check_has_tokens("input_ids", input_ids)
         check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
         tier = self.tiers.resolve(tier)
         past = 0
@@ -229,9 +229,7 @@ class ElasticCausalLM(nn.Module):
             if cache.signature is not None and cache.signature != self.signature(tier):
                 raise ConfigError(f"`cache` belongs to {cache.signature}, this call is {self.signature(tier)}")
             past = cache.length
-        if past + input_ids.shape[1] > self.max_positions:
-            raise ShapeError(f"`input_ids`: {past} cached + {input_ids.shape[1]} new tokens exceed the context "
-                             f"max_positions={self.max_positions}")
+        check_context("input_ids", past, input_ids.shape[1], self.max_positions)
         return tier, past
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

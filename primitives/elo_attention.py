@@ -38,6 +38,7 @@ from ._backend import Backend, check_backend, resolve_backend
 from ._cache import AppendBuffer, KVCache
 from ._errors import ConfigError, ShapeError
 from ._validation import (
+    check_has_tokens,
     check_keep_mask,
     check_positive_float,
     check_positive_int,
@@ -272,6 +273,7 @@ class EloAttention(nn.Module):
         expected_q = (B, S, self.num_heads, self.head_dim)
         expected_kv = (B, S, self.num_kv_heads, self.head_dim)
         check_tensor("q", q, shape=expected_q, layout=_Q_LAYOUT)
+        check_has_tokens("q", q)
         check_tensor("k", k, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
         check_tensor("v", v, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
         check_same_device(q=q, k=k, v=v, attention_mask=attention_mask)

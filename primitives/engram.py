@@ -45,8 +45,8 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import (check_keep_mask, check_param_dtype, check_positive_int, check_same_device, check_tensor,
-                          match_activation_dtypes, zero_padding)
+from ._validation import (check_has_tokens, check_keep_mask, check_param_dtype, check_positive_int, check_same_device,
+                          check_tensor, match_activation_dtypes, zero_padding)
 
 __all__ = [
     "engram_hash_bits",
@@ -653,6 +653,7 @@ class EngramModule(nn.Module):
         no gradient, and cut the n-grams of the kept tokens after them (a left-padded
         row equals the unpadded row; the cache remembers the padding)."""
         check_tensor("x", x, ndim=3, layout="[batch, seq, hidden_size]")
+        check_has_tokens("x", x)
         config = {"max_ngram": self.max_ngram, "compress_dim": self.compressor.compress_dim}
         if cache is None:
             cache = EngramCache(config=config)
@@ -733,6 +734,7 @@ class EngramLayerFusion(nn.Module):
             raise ShapeError(f"last dim of `hidden` must be hidden_size={self.hidden_size}, got shape {tuple(hidden.shape)}")
         if ngram.shape != hidden.shape:
             raise ShapeError(f"`ngram` must have the shape of `hidden` {tuple(hidden.shape)}, got {tuple(ngram.shape)}")
+        check_has_tokens("hidden", hidden, None)
         check_same_device(hidden=hidden, ngram=ngram, weight=self.out_proj.weight)
         hidden, ngram = match_activation_dtypes(hidden=hidden, ngram=ngram)
         if not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != self.out_proj.weight.dtype:

@@ -44,7 +44,7 @@ from ._attention import visible_keys
 from ._backend import Backend, check_backend
 from ._cache import AppendBuffer, DecodingCache, KVCache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import FLOAT_DTYPES, check_keep_mask, check_positive_int, check_tensor
+from ._validation import FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
 from .norms import RMSNorm
 from .rotary import RotaryEmbedding
 
@@ -228,8 +228,9 @@ class GroupedQueryAttention(nn.Module):
     def _check(self, x, positions, attention_mask, cache) -> None:
         check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="(batch, seq, hidden)")
         B, S, H = x.shape
-        if H != self.hidden_size or S == 0:
-            raise ShapeError(f"`x` must be (batch, seq ≥ 1, {self.hidden_size}), got {tuple(x.shape)}")
+        if H != self.hidden_size:
+            raise ShapeError(f"`x` must be (batch, seq, {self.hidden_size}), got {tuple(x.shape)}")
+        check_has_tokens("x", x)
         check_tensor("positions", positions, dtypes=None, shape=(None, S), layout="(batch or 1, seq)")
         check_keep_mask("attention_mask", attention_mask, B, S)
         weight = self.k_proj.weight

@@ -22,7 +22,7 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import check_positive_float, check_positive_int, check_same_device, check_tensor
+from ._validation import check_has_tokens, check_positive_float, check_positive_int, check_same_device, check_tensor
 
 __all__ = ["hrm_refinement_reference", "HRMRefinementBlock", "HRMRMSNorm"]
 
@@ -148,8 +148,7 @@ class HRMRefinementBlock(nn.Module):
         check_tensor("x", x, dtypes=_ACTIVATION_DTYPES)
         if x.dim() == 0 or x.shape[-1] != self.hidden_size:
             raise ShapeError(f"`x` must have last dim hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
-        if x.numel() == 0:
-            raise ShapeError(f"`x` must hold at least one row, got shape {tuple(x.shape)}")
+        check_has_tokens("x", x, None)
         weight = self.down.weight
         check_same_device(x=x, weight=weight)
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):

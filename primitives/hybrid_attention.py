@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ._cache import DecodingCache
-from ._validation import check_keep_mask
+from ._validation import check_has_tokens, check_keep_mask
 from .decoder import BRANCH_CALLS
 from .mosrah import MoSRAH, MoSRAHCache
 from .sliding_window import SlidingWindowAttention, SlidingWindowCache
@@ -67,6 +67,7 @@ class HybridAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: HybridAttentionCache | None = None):
+        check_has_tokens("x", x)
         B, N, _ = x.shape
         if cache is not None and not isinstance(cache, HybridAttentionCache):
             raise TypeError(f"`cache` must be a HybridAttentionCache or None, got {type(cache).__name__}")

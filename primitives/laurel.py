@@ -19,8 +19,8 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, ShapeError
-from ._validation import (check_choice, check_positive_int, check_same_device, check_tensor, match_activation_dtypes,
-                          without_autocast)
+from ._validation import (check_choice, check_has_tokens, check_positive_int, check_same_device, check_tensor,
+                          match_activation_dtypes, without_autocast)
 
 __all__ = ["laurel_reference", "laurel_weights", "LAuReL", "LAuReLBlock", "laurel_lr_init"]
 
@@ -152,6 +152,7 @@ class LAuReL(nn.Module):
             raise ShapeError(f"`f` and `x` must have the same shape, got f {tuple(f.shape)} and x {tuple(x.shape)}")
         if f.dim() == 0 or f.shape[-1] != self.hidden_size:
             raise ShapeError(f"last dim of `f`/`x` must be hidden_size={self.hidden_size}, got shape {tuple(f.shape)}")
+        check_has_tokens("f", f, None)
         check_same_device(f=f, x=x, weight=next(self.parameters()))
         f, x = match_activation_dtypes(f=f, x=x)
         params = self._params()

@@ -30,6 +30,7 @@ from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError, TokenIdError
 from ._token_ids import check_token_ids, ids_in_range, nan_rows, safe_ids
 from ._validation import check_choice, check_keep_mask, check_positive_int, check_same_device, check_tensor
+from ._validation import check_has_tokens
 
 __all__ = [
     "LeviathanGenerator", "TokenIdError", "leviathan_reference", "leviathan_base", "leviathan_digits",
@@ -317,6 +318,7 @@ class LeviathanGenerator(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         check_tensor("input_ids", input_ids, dtypes=ID_DTYPES)
+        check_has_tokens("input_ids", input_ids, input_ids.dim())
         check_same_device(input_ids=input_ids, codebooks=self.codebooks)
         keep = None
         if attention_mask is not None:

@@ -31,8 +31,8 @@ from ._attention import visible_keys
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import AppendBuffer, DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import (check_keep_mask, check_positive_int, check_same_device, check_same_dtype, check_tensor,
-                          match_activation_dtypes, without_autocast, zero_padding)
+from ._validation import (check_has_tokens, check_keep_mask, check_positive_int, check_same_device, check_same_dtype,
+                          check_tensor, match_activation_dtypes, without_autocast, zero_padding)
 
 __all__ = [
     "LUCID_ATTENTION_EPS",
@@ -350,6 +350,7 @@ class LucidAttention(nn.Module):
         batch, s_len = q.shape[:2]
         check_tensor("q", q, shape=(batch, s_len, self.num_heads, self.head_dim),
                      layout="[batch, seq, num_heads, head_dim]")
+        check_has_tokens("q", q)
         kv_shape = (batch, s_len, self.num_kv_heads, self.head_dim)
         check_tensor("k", k, shape=kv_shape, layout="[batch, seq, num_kv_heads, head_dim]")
         check_tensor("v", v, shape=kv_shape, layout="[batch, seq, num_kv_heads, head_dim]")

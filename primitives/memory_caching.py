@@ -32,7 +32,7 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import AppendBuffer, DecodingCache, check_cache
 from ._errors import DeviceError, ShapeError
-from ._validation import (FLOAT_DTYPES, check_keep_mask, check_positive_float, check_positive_int,
+from ._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_positive_float, check_positive_int,
                           check_same_device, check_same_dtype, check_tensor, zero_padding)
 
 _warned_tiles: set[tuple[int, int]] = set()
@@ -104,7 +104,7 @@ def memory_caching_reference(
     L = segment_len
     N = -(-S // L)
     pad = N * L - S
-    keep = torch.ones(B, S, dtype=cdt, device=q.device) if mask is None else mask.to(cdt)
+    keep = torch.ones(B, S, dtype=cdt, device=q.device) if mask is None else (mask != 0).to(cdt)
 
     def segments(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [B, N, L, ...]
         t = t.to(cdt)
@@ -338,8 +338,7 @@ class MemoryCacheBranch(nn.Module):
         check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="[batch, seq, hidden]")
         if x.shape[-1] != self.hidden_size:
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
-        if x.shape[1] == 0:
-            raise ShapeError(f"`x` needs at least one token, got shape {tuple(x.shape)}")
+        check_has_tokens("x", x)
         check_same_device(x=x, attention_mask=attention_mask, weight=self.q_proj.weight)
         check_keep_mask("attention_mask", attention_mask, x.shape[0], x.shape[1])
         if cache is not None:
@@ -375,8 +374,8 @@ class MemoryCacheBranch(nn.Module):
         with torch.autocast(device_type=x.device.type, enabled=False):
             xf = x.float()
             q, k, v, u, p = self._project(xf)
-            keep = None if attention_mask is None else attention_mask.to(torch.float32)
-            kf = torch.ones(B, S, device=x.device) if keep is None else keep
+            keep = None if attention_mask is None else attention_mask != 0   # an integer mask: 1 = keep
+            kf = torch.ones(B, S, device=x.device) if keep is None else keep.to(torch.float32)
             if cache is None or cache.length == 0:
                 y = self._readout(q, k, v, u, p, keep)
                 kept = kf[..., None, None] > 0

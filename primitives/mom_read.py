@@ -31,8 +31,8 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, ShapeError
-from ._validation import (FLOAT_DTYPES, check_keep_mask, check_param_dtype, check_positive_int, check_same_device,
-                          check_tensor, zero_padding)
+from ._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_param_dtype, check_positive_int,
+                          check_same_device, check_tensor, zero_padding)
 
 __all__ = [
     "GATE_FLOOR",
@@ -433,8 +433,7 @@ class MoMRead(nn.Module):
         check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="(batch, seq, hidden)")
         if x.shape[-1] != self.hidden_size:
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
-        if x.shape[1] == 0:
-            raise ShapeError("`x` has an empty sequence (seq = 0); the router needs at least one token")
+        check_has_tokens("x", x)
         if M_blocks is None:
             raise ValueError("`M_blocks` is required: the MoM read cannot run without the shared memory bank")
         check_tensor("M_blocks", M_blocks, shape=(self.num_blocks, self.block_size * self.hidden_size),
@@ -460,7 +459,7 @@ class MoMRead(nn.Module):
         self._check(x, M_blocks, state)
         B, S, D = x.shape
         check_same_device(x=x, attention_mask=attention_mask)
-        check_keep_mask("attention_mask", attention_mask, B, S)
+        attention_mask = check_keep_mask("attention_mask", attention_mask, B, S)
         (x,) = zero_padding(attention_mask, x)
         prefix_sum, count = (state.prefix_sum, state.count) if state is not None else (None, 0)
         prefix_kept = state.kept if state is not None else None

@@ -48,7 +48,8 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import check_choice, check_keep_mask, check_positive_int, check_same_device, check_tensor
+from ._validation import (check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
+                          check_tensor, debug_checks_enabled)
 
 __all__ = [
     "ROPE_MODES",
@@ -145,9 +146,9 @@ def load_balance_loss(expert_bias: torch.Tensor, freq: torch.Tensor, any_live: t
 
 class Routing(NamedTuple):
     indices: torch.Tensor       # [B, N, K] int64 selected heads, by descending biased probability
-    weights: torch.Tensor       # [B, N, K] fp32 renormalised clean probabilities P
+    weights: torch.Tensor       # [B, N, K] renormalised clean probabilities P (fp32, fp64 for fp64 x)
     load_balance_loss: torch.Tensor  # 0-dim, gradient to expert_bias only
-    max_vio: torch.Tensor       # 0-dim, detached
+    max_vio: torch.Tensor       # 0-dim, detached, in the routing precision
 
 
 def _keep(attention_mask: torch.Tensor | None, B: int, N: int, device) -> torch.Tensor:
@@ -165,7 +166,10 @@ def sanitize_padding(x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
 
 def mosrah_route(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: torch.Tensor, top_k: int,
                  attention_mask: torch.Tensor | None = None) -> Routing:
-    """The "topk_bias" router on ``x`` ``[B, N, d]`` (fp32 logits, errata E5 selection)."""
+    """The "topk_bias" router on ``x`` ``[B, N, d]`` (fp32 logits, errata E5 selection).
+
+    Logits, routing frequencies, the load-balance loss and MaxVio are computed in
+    ``promote_types(x.dtype, float32)``: float64 inputs stay float64 throughout."""
     B, N, _ = x.shape
     L = routing_weight.shape[0]
     live = _keep(attention_mask, B, N, x.device)
@@ -178,7 +182,7 @@ def mosrah_route(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: tor
     chosen = probs.gather(-1, indices)
     weights = chosen / chosen.sum(-1, keepdim=True)
     with torch.no_grad():
-        assigned = torch.zeros(B, N, L, dtype=torch.float32, device=x.device).scatter_(-1, indices, 1.0)
+        assigned = torch.zeros(B, N, L, dtype=compute, device=x.device).scatter_(-1, indices, 1.0)
         per_head = torch.where(live[..., None], assigned, 0.0).sum((0, 1))
         n_live = live.sum()
         any_live = n_live > 0
@@ -199,12 +203,15 @@ class ExpertPacking(NamedTuple):
     token: torch.Tensor         # [B, N·K] source token of each copy, expert-major
     counts: torch.Tensor        # [B, L] copies per head
     occupied: torch.Tensor      # [B, L, T] bool, slot t < counts (left-justified)
+    slot: torch.Tensor          # [B, N·K] flat index l·T + t of each copy, expert-major (as ``token``)
 
 
 def pack_experts(indices: torch.Tensor, num_heads: int, slots: int | None = None) -> ExpertPacking:
     """Token-choice → expert-choice: a stable sort of the head choices ``[B, N, K]``
     (stability keeps each head's tokens in increasing order). ``T`` is the largest
-    head load (one host sync) unless ``slots`` (≥ that load, e.g. N) is given."""
+    head load (one host sync) unless ``slots`` (≥ that load, e.g. N) is given; under
+    ``torch.compile`` it is N, so the graph has static shapes. Copies move by index
+    (``slot``), never by boolean indexing, whose size depends on the data."""
     B, N, K = indices.shape
     flat = indices.reshape(B, N * K)
     order = torch.argsort(flat, dim=-1, stable=True)
@@ -212,27 +219,33 @@ def pack_experts(indices: torch.Tensor, num_heads: int, slots: int | None = None
     token = torch.arange(N, device=indices.device).repeat_interleave(K).expand(B, -1).gather(-1, order)
     counts = torch.zeros(B, num_heads, dtype=torch.long, device=indices.device)
     counts.scatter_add_(1, flat, torch.ones_like(flat))
-    T = slots if slots is not None else int(counts.max())
-    occupied = torch.arange(T, device=indices.device)[None, None, :] < counts[..., None]
-    return ExpertPacking(order, inverse, token, counts, occupied)
+    if slots is None:
+        slots = N if torch.compiler.is_compiling() else int(counts.max())
+    occupied = torch.arange(slots, device=indices.device)[None, None, :] < counts[..., None]
+    head = flat.gather(-1, order)
+    first = (torch.cumsum(counts, dim=-1) - counts).gather(-1, head)     # the head's first copy in sorted order
+    slot = head * slots + torch.arange(N * K, device=indices.device) - first
+    return ExpertPacking(order, inverse, token, counts, occupied, slot)
+
+
+def _along(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``index`` ``[B, M]`` expanded over the trailing dims of ``like`` ``[B, *, ...]``."""
+    return index.reshape(index.shape + (1,) * (like.dim() - 2)).expand(index.shape + like.shape[2:])
 
 
 def pack_rows(values: torch.Tensor, packing: ExpertPacking, fill=0) -> torch.Tensor:
     """Gather ``values`` ``[B, N, ...]`` into ``[B, L, T, ...]`` (``fill`` in empty slots)."""
     B, L, T = packing.occupied.shape
-    idx = packing.token.reshape(packing.token.shape + (1,) * (values.dim() - 2))
-    rows = values.gather(1, idx.expand((-1, -1) + values.shape[2:]))
-    out = torch.full((B, L, T) + values.shape[2:], fill, dtype=values.dtype, device=values.device)
-    out[packing.occupied] = rows.reshape((-1,) + values.shape[2:])
-    return out
+    rows = values.gather(1, _along(packing.token, values))
+    out = torch.full((B, L * T) + values.shape[2:], fill, dtype=values.dtype, device=values.device)
+    return out.scatter(1, _along(packing.slot, rows), rows).reshape((B, L, T) + values.shape[2:])
 
 
 def unpack_experts(packed: torch.Tensor, packing: ExpertPacking, top_k: int) -> torch.Tensor:
     """``[B, L, T, ...]`` → ``[B, N, K, ...]``: the copy of token n in its k-th head."""
-    B = packed.shape[0]
-    rows = packed[packing.occupied].reshape((B, -1) + packed.shape[3:])
-    idx = packing.inverse.reshape(packing.inverse.shape + (1,) * (rows.dim() - 2))
-    rows = rows.gather(1, idx.expand((-1, -1) + rows.shape[2:]))
+    B, L, T = packed.shape[:3]
+    flat = packed.reshape((B, L * T) + packed.shape[3:])
+    rows = flat.gather(1, _along(packing.slot.gather(1, packing.inverse), flat))
     return rows.reshape((B, -1, top_k) + packed.shape[3:])
 
 
@@ -609,36 +622,40 @@ class MoSRAH(nn.Module):
         B, N, d = x.shape
         if d != self.embedding_width:
             raise ShapeError(f"`x` last dim must be embedding_width={self.embedding_width}, got {d}")
-        if N == 0:
-            raise ShapeError(f"`x` must hold at least one token, got shape {tuple(x.shape)}")
+        check_has_tokens("x", x)
         weight = self.bea.q_proj
         check_same_device(x=x, parameters=weight, position_ids=position_ids, attention_mask=attention_mask)
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
             raise DTypeError(f"`x` dtype must match the module parameters ({weight.dtype}) outside autocast, "
                              f"got {x.dtype}")
-        compiling = torch.compiler.is_compiling()
-        if attention_mask is not None:
-            if compiling:
-                check_tensor("attention_mask", attention_mask, dtypes=None, shape=(B, N))
-            else:
-                check_keep_mask("attention_mask", attention_mask, B, N)
+        check_keep_mask("attention_mask", attention_mask, B, N)
         if cache is not None:
             self._check_cache(cache, x)
         if position_ids is not None:
             check_tensor("position_ids", position_ids, shape=(B, N), dtypes=(torch.int64, torch.int32),
                          layout="[batch, seq] integer positions")
-            if not compiling and cache is None and bool((position_ids[:, 0] != 0).any()):
-                raise ConfigError("`position_ids[:, 0]` must be 0 without a cache (a continuation needs "
-                                  f"the cache of the earlier tokens), got {position_ids[:, 0].tolist()}")
         seen = 0 if cache is None else cache.tokens
         if self.rope_mode == "semantic_sequence" and seen + N > self.inference_sequence_length:
             raise ConfigError(f"{seen + N} tokens exceed inference_sequence_length="
                               f"{self.inference_sequence_length} (the YaRN limit)")
 
-    def _check_positions(self, position_ids: torch.Tensor) -> None:
-        """Range of the (given or default) positions; reads values, so skipped when compiling."""
+    def _check_positions(self, position_ids: torch.Tensor, given: bool, cache: MoSRAHCache | None) -> None:
+        """Range of the positions. The default ones stay below the positions seen plus N,
+        known on the host; they are read only when that bound passes the YaRN limit (a
+        padded batch can still fit). Reading caller-given positions syncs with the
+        device, so it runs on CPU tensors, elsewhere only with ``LAMINAE_DEBUG=1``;
+        never while compiling."""
         if torch.compiler.is_compiling():
             return
+        if not given:
+            seen = 0 if cache is None else cache.tokens
+            if self.rope_mode == "semantic_sequence" or seen + position_ids.shape[1] <= self.inference_sequence_length:
+                return
+        elif not (debug_checks_enabled() or position_ids.device.type == "cpu"):
+            return
+        elif cache is None and bool((position_ids[:, 0] != 0).any()):
+            raise ConfigError("`position_ids[:, 0]` must be 0 without a cache (a continuation needs "
+                              f"the cache of the earlier tokens), got {position_ids[:, 0].tolist()}")
         if bool((position_ids < 0).any()):
             raise ConfigError("`position_ids` must be ≥ 0, got a negative position")
         if self.rope_mode == "main_sequence" and int(position_ids.max()) >= self.inference_sequence_length:
@@ -674,9 +691,10 @@ class MoSRAH(nn.Module):
         self._check_inputs(x, position_ids, attention_mask, cache)
         B, N, _ = x.shape
         live = _keep(attention_mask, B, N, x.device)
-        if position_ids is None:
+        given = position_ids is not None
+        if not given:
             position_ids = self._default_positions(live, cache)
-        self._check_positions(position_ids)
+        self._check_positions(position_ids, given, cache)
         if cache is not None:
             return self._cached_forward(x, position_ids, live, cache)
         params = self._params()

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ._errors import ConfigError, ShapeError
-from ._validation import check_positive_float, check_positive_int
+from ._validation import check_positive_float, check_positive_int, debug_checks_enabled
 
 __all__ = ["rope_inv_freq", "apply_rotary", "RotaryEmbedding"]
 
@@ -106,7 +106,13 @@ class RotaryEmbedding(nn.Module):
         """``(cos, sin)`` ``[*positions.shape, R/2]`` fp32 for integer ``positions``."""
         if self.max_positions is None:
             return self._angles(positions)
-        # no host check of the range on the hot path: an out-of-range index raises in torch
+        # Reading the range is a host sync, so on the hot path it is left to the models,
+        # which know their length on the host (check_context); LAMINAE_DEBUG=1 reads it.
+        if debug_checks_enabled() and not torch.compiler.is_compiling() and positions.numel():
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= self.max_positions:
+                raise ShapeError(f"`positions` must lie in [0, max_positions={self.max_positions}) (the rotary "
+                                 f"tables), got [{lo}, {hi}]")
         return self.cos_cache[positions], self.sin_cache[positions]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, start: int = 0) -> torch.Tensor:

@@ -36,7 +36,7 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import check_choice, check_keep_mask, check_positive_int, check_tensor
+from ._validation import check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
 
 __all__ = [
     "MATRICES", "VARIANTS", "ElasticTiers", "SharedMatrix", "Readout",
@@ -106,13 +106,10 @@ def check_operands(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | 
         return None
     if x.dim() != 3:
         raise ShapeError(f"with `attention_mask`, `x` must be [batch, seq, cols], got shape {tuple(x.shape)}")
-    if attention_mask.is_floating_point() and bool((attention_mask < 0).any()):
-        raise ConfigError("`attention_mask` must be a 0/1 keep mask (True/1 = keep); additive 0/-inf masks "
-                          "are not accepted")
-    check_keep_mask("attention_mask", attention_mask, x.shape[0], x.shape[1])
-    if attention_mask.device != x.device:
-        raise DeviceError(f"`attention_mask` must be on the device of `x` ({x.device}), got {attention_mask.device}")
-    return attention_mask.bool()
+    keep = check_keep_mask("attention_mask", attention_mask, x.shape[0], x.shape[1])
+    if keep.device != x.device:
+        raise DeviceError(f"`attention_mask` must be on the device of `x` ({x.device}), got {keep.device}")
+    return keep
 
 
 # ----------------------------------------------------------------------------
@@ -281,6 +278,7 @@ class SharedMatrix(nn.Module):
         w = self.full_weight
         if x.dim() == 0:
             raise ShapeError("`x` must be [..., cols], got a 0-dim tensor")
+        check_has_tokens("x", x, None)
         if torch.is_autocast_enabled(x.device.type):
             # The block is combined in the parameter dtype and cast to the autocast
             # dtype for the matmul, as F.linear under autocast would do with the seed's block.

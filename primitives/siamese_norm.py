@@ -46,7 +46,8 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import check_choice, check_positive_int, check_same_device, check_same_dtype, check_tensor
+from ._validation import (check_choice, check_has_tokens, check_positive_int, check_same_device, check_same_dtype,
+                          check_tensor)
 
 __all__ = [
     "siamese_boundary_reference",
@@ -243,6 +244,7 @@ def _check_streams(module: nn.Module, hidden_size: int, x: torch.Tensor, y: torc
         raise ShapeError(f"`x` and `y` must have the same shape, got x {tuple(x.shape)} and y {tuple(y.shape)}")
     if x.dim() == 0 or x.shape[-1] != hidden_size:
         raise ShapeError(f"last dim of `x`/`y` must be hidden_size={hidden_size}, got shape {tuple(x.shape)}")
+    check_has_tokens("x", x, None)
     check_same_dtype(x=x, y=y)
     check_same_device(x=x, y=y, parameters=next(module.parameters()))
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
-from ._validation import check_positive_int
+from ._validation import check_has_tokens, check_positive_int
 from .mosrah import rope_rotate
 
 __all__ = ["SlidingWindowCache", "SlidingWindowAttention", "sliding_window_reference"]
@@ -110,6 +110,7 @@ class SlidingWindowAttention(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, live: torch.Tensor,
                 cache: SlidingWindowCache | None = None,
                 all_live: bool = False) -> tuple[torch.Tensor, SlidingWindowCache | None]:
+        check_has_tokens("x", x)
         B, N, _ = x.shape
         shape = (B, N, self.num_heads, self.head_dim)
         pos = position_ids[..., None].expand(shape[:-1])

@@ -24,6 +24,7 @@ from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
 from ._token_ids import check_token_ids, ids_in_range, nan_rows, safe_ids
 from ._validation import check_choice, check_positive_float, check_positive_int, check_same_device, check_tensor
+from ._validation import check_has_tokens
 
 __all__ = [
     "SLOTS", "SpellingBeeEmbedding", "spelling_bee_reference", "spelling_bee_rotary", "spelling_vectors",
@@ -323,6 +324,7 @@ class SpellingBeeEmbedding(nn.Module):
     def _check(self, ids: torch.Tensor, e_tok: torch.Tensor) -> None:
         check_tensor("ids", ids, dtypes=(torch.int64, torch.int32))
         check_tensor("e_tok", e_tok, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+        check_has_tokens("ids", ids, ids.dim())
         if tuple(e_tok.shape) != (*ids.shape, self.hidden_size):
             raise ShapeError(f"`e_tok` must have shape ids.shape + (hidden_size,) = "
                              f"{(*ids.shape, self.hidden_size)}, got {tuple(e_tok.shape)}")

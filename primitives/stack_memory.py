@@ -37,7 +37,7 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import check_choice, check_keep_mask, check_positive_int, check_tensor
+from ._validation import check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
 
 __all__ = [
     "stack_actions_reference", "stack_update_reference", "stack_read_reference", "stack_step_reference",
@@ -453,8 +453,7 @@ class StackMemory(nn.Module):
         B, T, D = x.shape
         if D != self.hidden_size:
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
-        if T == 0:
-            raise ShapeError(f"`x` needs at least one token, got shape {tuple(x.shape)}")
+        check_has_tokens("x", x)
         weight = self.action_head.weight
         if x.device != weight.device:
             raise DeviceError(f"`x` is on {x.device} but the parameters are on {weight.device}")
@@ -463,9 +462,6 @@ class StackMemory(nn.Module):
                              "(module.to(dtype)) or run under torch.autocast")
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"`attention_mask` must be a torch.Tensor or None, got {type(attention_mask).__name__}")
-        if attention_mask is not None and attention_mask.is_floating_point() and bool((attention_mask < 0).any()):
-            raise ValueError("`attention_mask` must be a keep mask (True/1 = keep); additive float masks "
-                             "(0/−inf) are not accepted")
         check_keep_mask("attention_mask", attention_mask, B, T)
         if attention_mask is not None and attention_mask.device != x.device:
             raise DeviceError(f"`attention_mask` is on {attention_mask.device} but `x` is on {x.device}")
@@ -526,6 +522,7 @@ class StackMemory(nn.Module):
     ) -> StackMemoryOutput:
         self._check(x, state, attention_mask, cache)
         B, T, _ = x.shape
+        attention_mask = None if attention_mask is None else attention_mask != 0   # an integer mask: 1 = keep
         out_dtype = x.dtype
         fn = self._function(x)
         w_a, w_down, w_up, gate, g, b_a, b_down, b_up = self._params()

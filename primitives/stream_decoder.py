@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._errors import ConfigError, ShapeError
-from ._validation import check_keep_mask, check_same_device, check_tensor
+from ._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
+                          check_tensor)
 from .decoder import DecoderCache, DecoderOutput
 from .gqa import GroupedQueryAttention
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_start
@@ -127,14 +128,19 @@ class StreamDecoderModel(nn.Module):
         final: :class:`SiameseNormFinal` for two streams, a norm for one.
         hidden_size: D.
         spelling_bee: optional ``SpellingBeeEmbedding`` applied to the embeddings.
+        max_positions: the context (cached + new tokens); longer inputs raise ShapeError
+            before any layer runs (None: no limit).
 
     ``forward(input_ids [B, S], attention_mask=None, cache=None) -> DecoderOutput``;
     ``aux_loss`` is the StackMemory entropy term λ·mean H (0 without StackMemory).
     """
 
     def __init__(self, token_embed: tuple[str, nn.Module], layers, final: nn.Module, hidden_size: int,
-                 spelling_bee: nn.Module | None = None) -> None:
+                 spelling_bee: nn.Module | None = None, max_positions: int | None = None) -> None:
         super().__init__()
+        if max_positions is not None:
+            check_positive_int("max_positions", max_positions)
+        self.max_positions = max_positions
         self.embed_name = token_embed[0]
         self.add_module(*token_embed)
         if spelling_bee is not None:
@@ -156,8 +162,7 @@ class StreamDecoderModel(nn.Module):
 
     def _check(self, input_ids, attention_mask, cache) -> None:
         check_tensor("input_ids", input_ids, ndim=2, dtypes=(torch.int64, torch.int32), layout="(batch, seq)")
-        if input_ids.shape[1] == 0:
-            raise ShapeError("`input_ids` has an empty sequence; the model needs at least one token")
+        check_has_tokens("input_ids", input_ids)
         check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
         check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=next(self.parameters()))
         if cache is not None:
@@ -165,6 +170,7 @@ class StreamDecoderModel(nn.Module):
                 raise TypeError(f"`cache` must be a DecoderCache or None, got {type(cache).__name__}")
             if cache.signature is not None and cache.signature != self.signature:
                 raise ConfigError(f"`cache` belongs to a decoder {cache.signature}, this one is {self.signature}")
+        check_context("input_ids", cache.length if cache is not None else 0, input_ids.shape[1], self.max_positions)
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         keep = None if attention_mask is None else attention_mask.bool()

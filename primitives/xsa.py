@@ -31,8 +31,8 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, ShapeError
-from ._validation import (check_choice, check_positive_int, check_same_device, check_same_dtype, check_tensor,
-                          match_activation_dtypes, without_autocast)
+from ._validation import (check_choice, check_has_tokens, check_positive_int, check_same_device, check_same_dtype,
+                          check_tensor, match_activation_dtypes, without_autocast)
 
 __all__ = ["xsa_reference", "ExclusiveSelfAttention", "XSA_MODES", "xsa_eps", "check_xsa_inputs"]
 
@@ -154,6 +154,7 @@ class ExclusiveSelfAttention(nn.Module):
         check_tensor("v", v, ndim=4, layout="(batch, seq, num_kv_heads, head_dim)")
         y, v = match_activation_dtypes(y=y, v=v)
         check_xsa_inputs(y, v, self.num_heads, self.num_kv_heads, self.head_dim)
+        check_has_tokens("y", y)
         with without_autocast(y.device.type):
             if resolve_backend(self.backend, y, v) == "triton":
                 from laminae.triton_ops.xsa import xsa

@@ -98,7 +98,8 @@ def build(config: NaylisConfig, backend: str = "auto") -> CausalLM:
     nn.init.normal_(embed.weight, std=c.initializer_range)
     bank = nn.Parameter(MoMRead.init_bank(c.mem_size // c.mom_block_size, c.mom_block_size, c.hidden_size))
     model = DecoderModel(embed, [_layer(c, kv_heads, head_dim, backend) for _ in range(c.num_hidden_layers)],
-                         RMSNorm(c.hidden_size, c.rms_norm_eps, upcast=True), shared={"M_blocks": bank})
+                         RMSNorm(c.hidden_size, c.rms_norm_eps, upcast=True), shared={"M_blocks": bank},
+                         max_positions=c.max_position_embeddings)
     lm = CausalLM(model, c.vocab_size, tie_word_embeddings=c.tie_word_embeddings,
                   initializer_range=c.initializer_range)
     lm.config = c

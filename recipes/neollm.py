@@ -114,7 +114,7 @@ def build(config: NeoLLMConfig, backend: str = "auto") -> CausalLM:
     final = SiameseNormFinal(c.hidden_size, c.rms_norm_eps, backend=backend) if c.use_siamesenorm \
         else RMSNorm(c.hidden_size, c.rms_norm_eps, upcast=True)
     model = StreamDecoderModel(embed, [_layer(c, i, backend) for i in range(c.num_hidden_layers)], final,
-                               c.hidden_size, spelling_bee=bee)
+                               c.hidden_size, spelling_bee=bee, max_positions=c.max_position_embeddings)
     lm = CausalLM(model, c.vocab_size, tie_word_embeddings=c.tie_word_embeddings,
                   initializer_range=c.initializer_range)
     lm.config = c

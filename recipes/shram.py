@@ -106,7 +106,8 @@ def build(config: ShramConfig, backend: str = "auto") -> CausalLM:
     embed = nn.Embedding(c.vocab_size, c.embedding_width)
     nn.init.normal_(embed.weight, std=c.initializer_range)
     model = DecoderModel(embed, [_layer(c, backend) for _ in range(c.num_decoder_layers)],
-                         RMSNorm(c.embedding_width, c.rms_norm_eps))
+                         RMSNorm(c.embedding_width, c.rms_norm_eps),
+                         max_positions=c.inference_sequence_length or c.training_sequence_length)   # the YaRN range
     lm = CausalLM(model, c.vocab_size, tie_word_embeddings=c.tie_word_embeddings,
                   initializer_range=c.initializer_range)
     lm.config = c

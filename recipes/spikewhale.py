@@ -121,7 +121,8 @@ def build(config: SpikeWhaleConfig, backend: str = "auto") -> CausalLM:
         loop_pass_embed=c.loop_count > 1 and c.loop_pass_embed,
         hc_mult=c.hc_mult if c.use_hyper_connections else 1,
         input_stage=("engram", engram) if engram is not None else None, value_embedding=c.use_value_embed,
-        refiner=("hrm_refine", hrm) if hrm is not None else None, deep_supervision=c.hrm_deep_supervision)
+        refiner=("hrm_refine", hrm) if hrm is not None else None, deep_supervision=c.hrm_deep_supervision,
+        max_positions=c.max_position_embeddings)   # the rotary tables' length
     if c.use_hyper_connections and plan[0][0] == 0 and sum(layer == 0 for layer, _ in plan) == 1:
         # identical streams make the first pre-mix weight-invariant: no gradient, frozen as in the seed
         model.layers[0].hc_attn.pre_weight.requires_grad_(False)

@@ -21,3 +21,20 @@ seeds = public.seeds()
 def keep_mask(batch: int, length: int, gen: torch.Generator, p_drop: float = 0.3) -> torch.Tensor:
     """Ragged padding: random holes (the public strategy, on the test device)."""
     return public.keep_mask(batch, length, gen, p_drop, DEVICE)
+
+
+def host_reads(fn) -> int:
+    """How many times ``fn`` read a tensor value back to the host (``.item()``, ``bool(t)``,
+    ``int(t)``): on a GPU each is a device sync."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is torch.ops.aten._local_scalar_dense.default
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n

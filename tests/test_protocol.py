@@ -2,6 +2,7 @@
 autocast, named errors, exports. Each test guards a silent wrong result or a
 convention a new user relies on; shapes are tiny, reference backend unless the
 kernel path is the point."""
+import copy
 import importlib
 import inspect
 import math
@@ -11,12 +12,14 @@ import torch
 
 from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigError, DecodingCache, DERFAttention,
                                 DTypeError, EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL,
-                                MoMRead, MoSRAH, SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend,
+                                MoMRead, MoSRAH, ShapeError, SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend,
                                 use_backend)
 from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.primitives.laurel import laurel_reference
 
 from ._blocks import BLOCKS, BY_NAME, HIDDEN
+from ._helpers import host_reads
+from ._mechanisms import CASES
 
 MASKED = [b for b in BLOCKS if b.masked]
 
@@ -160,14 +163,46 @@ def test_cache_of_another_configuration_is_refused():
 # ----------------------------------------------------------------------------
 
 
+FLOAT_MASKS = {
+    "all-zero additive (an unpadded batch)": torch.zeros(2, 5),
+    "additive": torch.zeros(2, 5).index_fill_(1, torch.tensor([0, 1]), float("-inf")),
+    "0./1. keep": torch.ones(2, 5),
+}
+
+
 @pytest.mark.parametrize("block", MASKED, ids=lambda b: b.name)
-def test_additive_mask_is_refused(block):
-    """A Hugging Face additive mask (0 keep, -inf drop) read as a keep mask would be
-    inverted; Elo used to do exactly that with ``.bool()``."""
-    additive = torch.zeros(2, 5)
-    additive[0, :2] = float("-inf")
-    with pytest.raises(ValueError, match="additive"):
-        block.run(block.build("reference"), _x(T=5), additive, None)
+def test_floating_mask_is_refused_by_dtype(block):
+    """A floating mask is refused whatever its values, with the sentence that converts
+    it: the additive mask of an unpadded batch is all zeros, which read as a keep mask
+    dropped every token (DERF, LUCID, Elo and MoSRAH returned exact zeros)."""
+    m = block.build("reference")
+    for kind, mask in FLOAT_MASKS.items():
+        with pytest.raises(DTypeError, match=r"attention_mask=\(mask == 0\)`; .* `attention_mask=mask.bool\(\)`"):
+            block.run(m, _x(T=5), mask, None)
+
+
+@pytest.mark.parametrize("block", MASKED, ids=lambda b: b.name)
+def test_integer_mask_reads_as_nonzero(block):
+    """Tokenizers return integer 0/1 masks; they mean what the bool mask means."""
+    m = block.build("reference")
+    x = _x(T=6)
+    mask = _padding("left+hole")
+    with torch.no_grad():
+        want, _ = block.run(m, x, mask, None)
+        got, _ = block.run(m, x, mask.long(), None)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_integer_mask_values_are_checked_only_in_debug_mode(monkeypatch):
+    from laminae.primitives._validation import check_keep_mask
+
+    mask = torch.tensor([[1, 0, 2]])
+    monkeypatch.delenv("LAMINAE_DEBUG", raising=False)
+    assert host_reads(lambda: check_keep_mask("attention_mask", mask, 1, 3)) == 0
+    assert check_keep_mask("attention_mask", mask, 1, 3).tolist() == [[True, False, True]]
+    monkeypatch.setenv("LAMINAE_DEBUG", "1")
+    with pytest.raises(ConfigError, match="only 0 and 1"):
+        check_keep_mask("attention_mask", mask, 1, 3)
 
 
 def _padding(layout: str) -> torch.Tensor:
@@ -286,11 +321,109 @@ def test_triton_backend_errors_say_what_to_do(monkeypatch):
         xsa(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4))
 
 
+def test_functional_ops_on_cpu_without_the_interpreter_say_what_to_do(monkeypatch):
+    """Every exported op checks its tensors' device as the modules do: Triton's own
+    error was "0 active drivers ([]). There should only be one."."""
+    ops = importlib.import_module("laminae.triton_ops")
+    exported = [getattr(ops, name) for name in ops._EXPORTS]   # kernel files imported while interpreting
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(BackendUnavailableError, match="on CPU set TRITON_INTERPRET=1 before importing triton"):
+        ops.xsa(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4))
+    for op in exported:           # the check comes first, whatever the arguments
+        with pytest.raises(BackendUnavailableError, match="needs CUDA tensors"):
+            op(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 1, 4))
+
+
 def test_triton_backend_under_torch_compile_on_cpu_is_refused():
     xsa = ExclusiveSelfAttention(2, 1, 4, backend="triton")
     compiled = torch.compile(xsa, backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="torch.compile needs CUDA"):
         compiled(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4))
+
+
+def _data_dependent(graph: torch.fx.GraphModule) -> list[str]:
+    """Nodes of a captured graph whose value or size depends on tensor data (an
+    ``.item()``, a boolean index, a size read from a tensor): a graph break without
+    ``fullgraph=True``, an unbacked size inductor cannot lower, a host sync in eager."""
+    found = []
+    for node in graph.graph.nodes:
+        value = node.meta.get("example_value")
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)) or (
+                    isinstance(v, torch.Tensor) and not all(isinstance(s, int) for s in v.shape)):
+                found.append(node.format_node())
+    return found
+
+
+def _layer_cases():
+    """The attention layers around the mechanisms, as (name, build(backend), inputs(batch, seq), call)."""
+    from laminae.primitives import GroupedQueryAttention, SlidingWindowAttention
+
+    x = lambda b, s: (torch.randn(b, s, HIDDEN),)                              # noqa: E731
+    hybrid = BY_NAME["hybrid_attention"]
+    return [
+        ("grouped_query_attention", lambda be: GroupedQueryAttention(HIDDEN, 2, 1, 8, core=DERFAttention(2, 1, 8,
+                                                                                                     backend=be)),
+         x, lambda m, h: m(h, torch.arange(h.shape[1])[None])),
+        ("sliding_window_attention", lambda be: SlidingWindowAttention(HIDDEN, 2, 8, window_size=3, backend=be),
+         x, lambda m, h: m(h, torch.zeros(h.shape[:2], dtype=torch.long), torch.ones(h.shape[:2], dtype=torch.bool))),
+        ("hybrid_attention", hybrid.build, x, lambda m, h: hybrid.call(m, h, None, None)),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_an_input_without_tokens_is_refused_by_every_block(backend):
+    """The empty-input rule (docs/protocol.md): a batch or a sequence of size 0 is a
+    ShapeError naming the argument, on either backend, before any kernel (four blocks
+    refused S = 0 and three returned empty outputs; MoSRAH and Memory Caching crashed
+    on a batch of 0)."""
+    cases = [(c.stem, c.build, c.inputs, c.call) for c in CASES] + _layer_cases()
+    wrong = []
+    for name, build, inputs, call in cases:
+        module = build(backend)
+        for batch, seq in ((2, 0), (0, 3)):
+            try:
+                call(module, *inputs(batch, seq))
+                wrong.append((name, batch, seq, "accepted"))
+            except ShapeError as e:
+                if "at least one token" not in str(e):
+                    wrong.append((name, batch, seq, str(e)))
+            except Exception as e:  # noqa: BLE001 (a raw error is what the rule replaces)
+                wrong.append((name, batch, seq, f"{type(e).__name__}: {e}"))
+    assert not wrong, "\n".join(map(str, wrong))
+
+
+def test_every_mechanism_has_a_tiny_case():
+    from laminae.triton_ops.tour import MECHANISMS
+
+    assert [c.stem for c in CASES] == MECHANISMS, "add the mechanism to tests/_mechanisms.py"
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.stem)
+def test_every_mechanism_compiles_to_one_static_graph(case):
+    """``torch.compile(fullgraph=True)`` of each mechanism's reference path, forward and
+    backward through one compiled artefact: one graph with static shapes (MoSRAH's
+    packing read the largest head load with ``.item()`` and moved rows by boolean
+    indexing), equal to eager."""
+    torch._dynamo.reset()
+    module = case.build("reference")
+    eager = copy.deepcopy(module)           # training mode: the same state updates (affine's EMA) on both
+    graphs = []
+
+    def capture(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled = torch.compile(lambda *inputs: case.call(module, *inputs), fullgraph=True, backend=capture)
+    inputs = [t.requires_grad_() if t.is_floating_point() else t for t in case.inputs(2, 3)]
+    outs = compiled(*inputs)
+    sum(o.float().sum() for o in outs).backward()
+    assert len(graphs) == 1 and not _data_dependent(graphs[0]), _data_dependent(graphs[0])
+    grads = [t.grad for t in inputs if t.is_floating_point()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():
+        for got, want in zip(outs, case.call(eager, *inputs)):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------

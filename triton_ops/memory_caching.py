@@ -597,7 +597,7 @@ def memory_caching(
         raise ConfigError(f"Triton memory caching supports head_dim <= {MAX_HEAD_DIM} (any segment_len); "
                           f"got head_dim={D}. Use the reference backend for larger heads")
     keep = (torch.ones(B, S, dtype=torch.float32, device=q.device) if mask is None
-            else mask.to(torch.float32)).contiguous()
+            else (mask != 0).to(torch.float32)).contiguous()
     gamma = segment_gates(u, p, keep, int(segment_len)).contiguous()
     y, _ = memory_caching_core(q.contiguous(), k.contiguous(), v.contiguous(), gamma, keep,
                                int(segment_len), float(eps))
@@ -654,8 +654,8 @@ def tour_case(device: torch.device):
     inputs = {name: (torch.randn(*shape, generator=gen) * 0.5).to(device)
               for name, shape in (("q", (B, S, H, D)), ("k", (B, S, H, D)), ("v", (B, S, H, D)),
                                   ("u", (B, S, G)), ("p", (B, S, G)))}
-    mask = torch.ones(B, S)
-    mask[1, :5] = 0.0
+    mask = torch.ones(B, S, dtype=torch.bool)
+    mask[1, :5] = False
     inputs.update(segment_len=16, mask=mask.to(device))
     return TourCase("memory_caching (L=16, ragged)", memory_caching, memory_caching_reference, inputs,
                     ["q", "k", "v", "u", "p"])

@@ -42,7 +42,6 @@ take exact ("ieee") products on the FMA units.
 from __future__ import annotations
 
 import math
-import os
 import dataclasses
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
@@ -53,7 +52,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from laminae.primitives._errors import DTypeError, ShapeError
-from laminae.primitives._validation import check_same_device, check_tensor
+from laminae.primitives._validation import check_same_device, check_tensor, debug_checks_enabled
 from laminae.primitives.mom_read import mom_log_gates
 
 from ._common import StaticCase, dot_precision, empty, triton_dtype
@@ -442,11 +441,6 @@ def _backward(ctx, do, _dlse):
 
 
 mom_read_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def debug_checks_enabled() -> bool:
-    """``LAMINAE_DEBUG=1`` turns on the value checks that need a host sync."""
-    return os.environ.get("LAMINAE_DEBUG", "0") not in ("", "0")
 
 
 def check_block_indices(top_idx: torch.Tensor, num_blocks: int) -> None:

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from laminae.primitives import ConfigError, DeviceError
+from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
 from laminae.primitives.decoder import (Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
                                         layer_plan)
 from laminae.primitives.gqa import GroupedQueryAttention
@@ -83,11 +83,13 @@ def test_padded_rows_equal_unpadded_rows():
 
 def test_named_errors():
     lm = tiny_llama()
-    with pytest.raises(ValueError, match="input_ids"):
+    with pytest.raises(ShapeError, match="`input_ids` must hold at least one token"):
         lm(torch.zeros(2, 0, dtype=torch.long))
+    with pytest.raises(ShapeError, match="`input_ids` must hold at least one token"):
+        lm(torch.zeros(0, 3, dtype=torch.long))
     with pytest.raises(TypeError, match="input_ids"):
         lm(torch.zeros(2, 3))
-    with pytest.raises(ValueError, match="attention_mask"):
+    with pytest.raises(DTypeError, match="attention_mask"):
         lm(torch.zeros(1, 3, dtype=torch.long), torch.tensor([[0.0, -float("inf"), 0.0]]))
     with pytest.raises(DeviceError, match="input_ids on meta"):
         lm(torch.zeros(1, 3, dtype=torch.long, device="meta"))

@@ -299,7 +299,7 @@ def _good(B=2, S=4, N=6, H=4, Hkv=2, D=8):
         ("dtype_mix", DTypeError, "one dtype"),
         ("int_q", DTypeError, "`q`"),
         ("mask_shape", ShapeError, "attention_mask"),
-        ("mask_values", ValueError, "only 0 and 1"),
+        ("mask_float", DTypeError, r"mask\.bool\(\)"),
         ("mask_dtype", DTypeError, "attention_mask"),
         ("not_tensor", TypeError, "`q`"),
         ("device", DeviceError, "one device"),
@@ -331,8 +331,8 @@ def test_attention_bad_inputs_raise(case, err, match):
         q = torch.ones(2, 4, 4, 8, dtype=torch.int32)
     elif case == "mask_shape":
         mask = torch.ones(2, 4)
-    elif case == "mask_values":
-        mask = torch.full((2, 6), 2.0)
+    elif case == "mask_float":
+        mask = torch.ones(2, 6)
     elif case == "mask_dtype":
         mask = torch.ones(2, 6, dtype=torch.complex64)
     elif case == "not_tensor":

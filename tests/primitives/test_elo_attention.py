@@ -222,7 +222,7 @@ def test_named_errors():
         call(elo_log_k=torch.zeros(4, dtype=torch.int64))
     with pytest.raises(ShapeError, match="key_mask"):
         call(key_mask=torch.ones(2, 8, dtype=torch.bool))
-    with pytest.raises(ValueError, match="0 and 1"):
+    with pytest.raises(DTypeError, match="key_mask"):
         call(key_mask=torch.full((2, 9), 2.0))
     with pytest.raises(DeviceError):
         call(elo_gain=torch.zeros(4, device="meta"))

@@ -109,7 +109,7 @@ def test_depth_mix_is_identity_at_zero_gate_and_mixes_otherwise():
 def test_named_errors():
     attn = make()
     x, pos = torch.randn(1, 3, 16), torch.arange(3)[None]
-    with pytest.raises(ValueError, match="attention_mask"):
+    with pytest.raises(DTypeError, match="attention_mask=\\(mask == 0\\)"):
         attn(x, pos, torch.tensor([[0.0, float("-inf"), 0.0]]))      # additive masks are rejected
     with pytest.raises(DTypeError, match="dtype"):
         attn(x.double(), pos)

@@ -163,7 +163,7 @@ def test_bad_inputs_raise():
         block(torch.randn(2, 7))
     with pytest.raises(ShapeError, match="hidden_size=8"):
         block(torch.tensor(1.0))
-    with pytest.raises(ShapeError, match="at least one row"):
+    with pytest.raises(ShapeError, match="at least one token"):
         block(torch.randn(0, 8))
     with pytest.raises(DTypeError, match="bfloat16"):
         block(torch.randn(2, 8, dtype=torch.bfloat16))

@@ -193,10 +193,11 @@ def test_autocast_leaves_the_generator_in_its_parameter_dtype():
     torch.testing.assert_close(out, gen(ids))
 
 
-def test_empty_input_gives_an_empty_embedding():
-    gen = _tiny(torch.float32)
-    assert gen(torch.zeros(0, dtype=torch.long)).shape == (0, 5)
-    assert gen(torch.zeros(2, 0, dtype=torch.long)).shape == (2, 0, 5)
+def test_an_input_without_tokens_is_refused():
+    gen = _tiny(torch.float32)       # the empty-input rule of docs/protocol.md
+    for ids in (torch.zeros(0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.long)):
+        with pytest.raises(ShapeError, match="at least one token"):
+            gen(ids)
 
 
 def test_attention_mask_padding_never_reaches_kept_positions():
@@ -301,7 +302,7 @@ def test_bad_mask_and_buffers_raise_named_errors():
         gen(ids[0], attention_mask=torch.ones(3))
     with pytest.raises(ShapeError, match="attention_mask"):
         gen(ids, attention_mask=torch.ones(1, 4))
-    with pytest.raises(ValueError, match="only 0 and 1"):   # additive float masks are refused
+    with pytest.raises(DTypeError, match="mask == 0"):   # additive float masks are refused
         gen(ids, attention_mask=torch.tensor([[0.0, float("-inf"), 0.0]]))
     gen.knot_grid = torch.linspace(0, 1, 9)
     with pytest.raises(ShapeError, match="knot_grid"):

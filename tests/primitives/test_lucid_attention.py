@@ -91,12 +91,12 @@ def test_single_token_returns_v_over_its_diagonal():
     torch.testing.assert_close(out, v.expand(1, 1, 2, 8), atol=1e-4, rtol=0)
 
 
-def test_empty_sequence_returns_empty_output():
+def test_empty_sequence_empty_reference_output_and_a_refusing_module():
     q, k, v = _qkv(2, 0, 0, 2, 1, 8)
     out = lucid_attention_reference(q, k, v)
     assert out.shape == (2, 0, 2, 8)
-    out, cache = LucidAttention(2, 1, 8)(q, k, v)
-    assert out.shape == (2, 0, 2, 8) and cache.seq_len == 0
+    with pytest.raises(ShapeError, match="at least one token"):   # the module: the empty-input rule
+        LucidAttention(2, 1, 8)(q, k, v)
 
 
 # ---------------------------------------------------------------- padding rule
@@ -302,7 +302,7 @@ def test_constructor_errors():
         LucidAttention(4, 2, 8, backend="cuda")
 
 
-def test_forward_errors_name_the_argument():
+def test_forward_errors_name_the_argument(monkeypatch):
     m = LucidAttention(4, 2, 8)
     q, k, v = _qkv(2, 5, 5, 4, 2, 8, dtype=torch.float32)
     with pytest.raises(ShapeError, match="`q`"):
@@ -315,8 +315,12 @@ def test_forward_errors_name_the_argument():
         m(q, k, v[..., :7])
     with pytest.raises(ShapeError, match="`attention_mask`"):
         m(q, k, v, torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="0 and 1"):
+    with pytest.raises(DTypeError, match="attention_mask"):
+        m(q, k, v, torch.ones(2, 5))
+    monkeypatch.setenv("LAMINAE_DEBUG", "1")   # integer masks' values are read only in debug mode
+    with pytest.raises(ConfigError, match="0 and 1"):
         m(q, k, v, torch.full((2, 5), 2))
+    monkeypatch.delenv("LAMINAE_DEBUG")
     with pytest.raises(DTypeError):
         m(q, k.double(), v)
     with pytest.raises(DTypeError):

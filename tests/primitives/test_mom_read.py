@@ -453,7 +453,7 @@ def test_forward_errors():
         m(torch.randn(4, 32), bank)
     with pytest.raises(ShapeError, match="hidden_size"):
         m(torch.randn(1, 4, 30), bank)
-    with pytest.raises(ShapeError, match="empty"):
+    with pytest.raises(ShapeError, match="at least one token"):
         m(torch.randn(1, 0, 32), bank)
     with pytest.raises(ValueError, match="M_blocks. is required"):
         m(torch.randn(1, 4, 32), None)

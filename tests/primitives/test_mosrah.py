@@ -9,6 +9,7 @@ from laminae.primitives.mosrah import (MoSRAH, MoSRAHCache, load_balance_loss, m
                                        pack_experts, pack_rows, unpack_experts, yarn_rope)
 
 from . import _shram_tiny
+from .._helpers import host_reads
 
 
 def _module(d=24, L=5, K=2, u=16, **kw):
@@ -103,6 +104,17 @@ def test_load_balance_loss_and_max_vio_by_hand():
     torch.testing.assert_close(r.max_vio, torch.tensor(1.0))         # head 0 has twice its share
     balanced = mosrah_route(torch.eye(4)[None], w, torch.zeros(4), 1)
     assert balanced.load_balance_loss == 0 and balanced.max_vio == 0
+
+
+def test_float64_routing_statistics_stay_float64():
+    """f, LB and MaxVio in the input precision: L = 3, K = 1, heads 0,0,0,1,1,2,2 →
+    f = [3, 2, 2] / 7, LB = 4/21, MaxVio = 2/7 (fp32 rounds each at ~1e-8)."""
+    x = torch.eye(3, dtype=torch.float64)[[0, 0, 0, 1, 1, 2, 2]][None]
+    r = mosrah_route(x, torch.eye(3, dtype=torch.float64) * 10, torch.zeros(3, dtype=torch.float64), 1)
+    assert r.load_balance_loss.dtype == r.max_vio.dtype == torch.float64
+    assert abs(r.load_balance_loss.item() - 4 / 21) < 1e-15 and abs(r.max_vio.item() - 2 / 7) < 1e-15
+    out = _module(L=4, K=1).double()(torch.randn(2, 5, 24, dtype=torch.float64))
+    assert out.output.dtype == out.load_balance_loss.dtype == out.max_vio.dtype == torch.float64
 
 
 def test_load_balance_gradient_drives_only_the_bias():
@@ -345,6 +357,24 @@ def test_padded_prefill_decodes_like_the_forward_with_live_rank_horizon():
     torch.testing.assert_close(_decode(raw, all_live, 6)[0], m(all_live).output, atol=1e-5, rtol=0)
 
 
+def test_semantic_positions_after_a_padded_prefill_follow_the_live_count():
+    """semantic_sequence: a slot's position is its index in the head's packed sequence,
+    dead copies included, plus the head's cached count, which counts live copies only
+    (the spec's rule, docs/mechanisms/mosrah.md). After a padded prefill the steps sit
+    at smaller positions than in the uncached forward, so they differ from it; the
+    prefill matches, and so does everything without padding or in main_sequence."""
+    x = torch.randn(2, 10, 24)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[0, :3] = False
+    for rope_mode, steps_match in (("main_sequence", True), ("semantic_sequence", False)):
+        m = _module(L=4, K=2, rope_mode=rope_mode)
+        full = m(x, attention_mask=mask).output
+        dec, cache = _decode(m, x, 6, mask)
+        assert (dec[:, :6] - full[:, :6]).abs().max() <= 1e-5
+        assert ((dec[:, 6:] - full[:, 6:]).abs().max() <= 1e-5) == steps_match, rope_mode
+        assert cache.counts.sum().item() == 2 * int(mask.sum())     # K = 2 live copies per live token
+
+
 def test_cache_is_not_mutated_and_beams_branch():
     m = _module(L=4, K=2)
     x = torch.randn(2, 8, 24)
@@ -435,13 +465,28 @@ def test_input_errors():
         m(x, position_ids=torch.arange(1, 6).expand(2, 5))
     with pytest.raises(ConfigError, match="YaRN limit"):
         m(torch.randn(2, 40, 16))
-    with pytest.raises(ValueError, match="0 and 1"):
+    with pytest.raises(DTypeError, match="additive"):
         m(x, attention_mask=torch.zeros(2, 5).masked_fill(torch.eye(2, 5).bool(), float("-inf")))
     with pytest.raises(ShapeError, match="attention_mask"):
         m(x, attention_mask=torch.ones(2, 4, dtype=torch.bool))
     if torch.cuda.is_available():
         with pytest.raises(DeviceError):
             m(x.cuda())
+
+
+def test_default_positions_are_bounded_without_reading_them():
+    """The default positions stay below positions seen + N, known on the host: an eager
+    forward reads one value back (the reference packing's largest head load), not the
+    positions (two more reads, a device sync each on a GPU)."""
+    m = _module()
+    x, keep = torch.randn(2, 7, 24), torch.ones(2, 7, dtype=torch.bool)
+    keep[0, :3] = False
+    assert host_reads(lambda: m(x, attention_mask=keep)) == 1
+    with pytest.raises(ConfigError, match="YaRN limit"):       # past the bound the positions are read
+        m(torch.randn(1, 70, 24))
+    padded = torch.ones(1, 70, dtype=torch.bool)
+    padded[:, :10] = False                                      # 60 live tokens fit in 64 positions
+    m(torch.randn(1, 70, 24), attention_mask=padded)
 
 
 def test_cache_errors():

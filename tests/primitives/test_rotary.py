@@ -60,3 +60,15 @@ def test_named_errors():
         RotaryEmbedding(4, persistent=True)
     with pytest.raises(ShapeError, match="does not fit"):
         apply_rotary(torch.randn(1, 2, 1, 4), torch.ones(1, 2, 3), torch.ones(1, 2, 3))
+
+
+def test_positions_past_the_tables_are_a_shape_error_in_debug_mode(monkeypatch):
+    """A table lookup past ``max_positions`` is a raw IndexError (a device assert on
+    CUDA); the models refuse such a context on the host, and LAMINAE_DEBUG=1 reads the
+    positions of a direct call."""
+    rope = RotaryEmbedding(8, max_positions=4)
+    x = torch.randn(1, 5, 2, 8)
+    monkeypatch.setenv("LAMINAE_DEBUG", "1")
+    with pytest.raises(ShapeError, match=r"max_positions=4\) \(the rotary tables\), got \[0, 4\]"):
+        rope(x, torch.arange(5)[None])
+    rope(x[:, :4], torch.arange(4)[None])

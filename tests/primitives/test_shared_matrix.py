@@ -364,7 +364,7 @@ def test_bad_inputs_raise_named_errors():
     x3 = torch.randn(2, 3, 10)
     with pytest.raises(ShapeError, match="`attention_mask` has size"):
         call(x=x3, attention_mask=torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(ConfigError, match="additive"):
+    with pytest.raises(DTypeError, match="additive"):
         call(x=x3, attention_mask=torch.zeros(2, 3).masked_fill(torch.eye(2, 3).bool(), float("-inf")))
 
 

@@ -368,7 +368,7 @@ def test_bad_inputs_raise_named_errors():
         m(torch.ones(2, 5, 32, dtype=torch.int32))
     with pytest.raises(ShapeError, match="attention_mask"):
         m(x, attention_mask=torch.ones(2, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="additive"):
+    with pytest.raises(DTypeError, match="additive"):
         m(x, attention_mask=torch.zeros(2, 5).masked_fill(torch.rand(2, 5) > 0.5, float("-inf")))
     with pytest.raises(TypeError, match="state"):
         m(x, state=(torch.zeros(1),))

@@ -128,7 +128,7 @@ def test_attention_reads_strided_views_and_broadcast_gradients():
     buf = torch.randn(B, 20, Hkv, 2 * D, generator=gen).to(DEVICE)
     k, v = buf[:, :N, :, :D], buf[:, :N, :, D:]                                   # cache-like slices
     params = [torch.randn(H, generator=gen).to(DEVICE) for _ in range(3)]
-    mask = (torch.rand(B, N, generator=gen) > 0.2).float().to(DEVICE)             # 0/1 floats
+    mask = (torch.rand(B, N, generator=gen) > 0.2).to(torch.uint8).to(DEVICE)     # 0/1 integers
     results = []
     for fn in (derf_attention, derf_attention_reference):
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v, *params)]

@@ -415,7 +415,7 @@ def test_left_padded_prefill_then_steps_equals_the_unpadded_run(backend, prefill
 def test_mask_errors():
     engram = _masked_engram("triton")
     x = torch.randn(2, 5, 24, device=DEVICE)
-    with pytest.raises(ValueError, match="additive"):
+    with pytest.raises(DTypeError, match="additive"):
         engram(x, attention_mask=torch.where(torch.rand(2, 5) > 0.5, 0.0, float("-inf")).to(DEVICE))
     with pytest.raises(ShapeError, match="attention_mask"):
         engram(x, attention_mask=torch.ones(2, 4, dtype=torch.bool, device=DEVICE))

@@ -33,7 +33,7 @@ def _inputs(B, S, H, D, G, L, masked, scale, seed, dtype=torch.float32):
            for name, shape in (("q", (B, S, H, D)), ("k", (B, S, H, D)), ("v", (B, S, H, D)),
                                ("u", (B, S, G)), ("p", (B, S, G)))}
     inp["segment_len"] = L
-    inp["mask"] = keep_mask(B, S, gen).float() if masked else None
+    inp["mask"] = keep_mask(B, S, gen) if masked else None
     return inp
 
 
@@ -119,7 +119,7 @@ def test_kernel_fp16_through_the_16bit_tiles(S, L, D, left_pad):
     padding longer than a segment gives rows that read only empty memories (den = eps,
     1/den beyond fp16's range): the kernels stay finite and exact there."""
     inp = _inputs(2, S, 2, D, 6, L, False, 1.0, S, dtype=torch.float16)
-    mask = torch.ones(2, S, device=DEVICE)
+    mask = torch.ones(2, S, dtype=torch.long, device=DEVICE)
     mask[1, :left_pad] = 0
     inp["mask"] = mask
     with pytest.MonkeyPatch.context() as mp:
@@ -149,7 +149,7 @@ def test_module_backends_agree_including_parameter_grads_and_decode():
     torch.manual_seed(0)
     m = MemoryCacheBranch(24, num_heads=2, head_dim=8, segment_len=4, gate_dim=6).to(DEVICE)
     x = torch.randn(2, 11, 24, device=DEVICE, requires_grad=True)
-    mask = torch.ones(2, 11, device=DEVICE)
+    mask = torch.ones(2, 11, dtype=torch.long, device=DEVICE)
     mask[1, :2] = 0
     g = torch.randn(2, 11, 24, device=DEVICE)
     res = []
