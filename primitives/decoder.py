@@ -44,8 +44,8 @@ from ._errors import ConfigError, ShapeError
 from ._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
                           check_tensor)
 from ._cache import DecodingCache
-from .gqa import GroupedQueryAttention
-from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
+from .blocks.gqa import GroupedQueryAttention
+from .blocks.hyper_connections import HCOutputMix, HyperConnection, expand_streams
 
 __all__ = ["BlockContext", "Branch", "BRANCH_CALLS", "ResidualBlock", "layer_plan", "DecoderCache",
            "DecoderOutput", "DecoderModel", "CausalLM", "LMOutput"]
@@ -104,7 +104,7 @@ def _call_engram_fusion(module, x, ctx, state):
 def _default_calls() -> dict[type, BranchCall]:
     from .engram import EngramLayerFusion
     from .memory_caching import MemoryCacheBranch
-    from .moe import SparseMoE
+    from .blocks.moe import SparseMoE
     from .mom_read import MoMRead
 
     return {GroupedQueryAttention: _call_attention, SparseMoE: _call_moe, MoMRead: _call_mom,

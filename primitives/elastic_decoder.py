@@ -18,7 +18,7 @@ n entries of every norm gain::
 Module names are the seed's (``layers.{i}.attn.q_proj`` …), so its checkpoints load
 as they are and :func:`~laminae.primitives.shared_matrix.extract_tier` finds every
 matrix. ``forward(ids, attention_mask=None, cache=None, tier=None) -> LMOutput``;
-decoding keeps one :class:`~laminae.primitives.gqa.KVCache` per layer inside a
+decoding keeps one :class:`~laminae.primitives.KVCache` per layer inside a
 :class:`~laminae.primitives.decoder.DecoderCache` tied to the tier.
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ from ._errors import ConfigError, ShapeError
 from ._validation import (check_choice, check_context, check_has_tokens, check_keep_mask, check_positive_int,
                           check_tensor)
 from .decoder import DecoderCache, LMOutput
-from .gqa import KVCache, sdpa_core
-from .norms import RMSNorm, rms_norm
+from .blocks.gqa import KVCache, sdpa_core
+from .blocks.norms import RMSNorm, rms_norm
 from .shared_matrix import ElasticTiers, SharedMatrix, extract_tier
 
 __all__ = ["ROPE_PRECISIONS", "elastic_rope_tables", "ElasticAttention", "ElasticMLP", "ElasticLayer",

@@ -25,7 +25,7 @@ from ._cache import DecodingCache
 from ._validation import check_has_tokens, check_keep_mask
 from .decoder import BRANCH_CALLS
 from .mosrah import MoSRAH, MoSRAHCache
-from .sliding_window import SlidingWindowAttention, SlidingWindowCache
+from .blocks.sliding_window import SlidingWindowAttention, SlidingWindowCache
 
 __all__ = ["HybridAttention", "HybridAttentionCache", "HybridAttentionOutput"]
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ._validation import check_positive_int
-from .losses import IGNORE_INDEX, cross_entropy
+from .blocks.losses import IGNORE_INDEX, cross_entropy
 
 __all__ = ["MTPHead", "mtp_loss"]
 

@@ -29,7 +29,7 @@ from ._errors import ConfigError, ShapeError
 from ._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
                           check_tensor)
 from .decoder import DecoderCache, DecoderOutput
-from .gqa import GroupedQueryAttention
+from .blocks.gqa import GroupedQueryAttention
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_start
 from .stack_memory import StackMemory, StackMemoryState
 

@@ -5,11 +5,11 @@ from torch import nn
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
 from laminae.primitives.decoder import (Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
                                         layer_plan)
-from laminae.primitives.gqa import GroupedQueryAttention
-from laminae.primitives.hyper_connections import HCOutputMix, HyperConnection, expand_streams
-from laminae.primitives.norms import RMSNorm
-from laminae.primitives.rotary import RotaryEmbedding
-from laminae.primitives.swiglu import SwiGLU
+from laminae.primitives.blocks.gqa import GroupedQueryAttention
+from laminae.primitives.blocks.hyper_connections import HCOutputMix, HyperConnection, expand_streams
+from laminae.primitives.blocks.norms import RMSNorm
+from laminae.primitives.blocks.rotary import RotaryEmbedding
+from laminae.primitives.blocks.swiglu import SwiGLU
 
 
 def test_layer_plans():

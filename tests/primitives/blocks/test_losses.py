@@ -2,9 +2,8 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from laminae.primitives.losses import abstention_loss, cross_entropy, shift_labels, z_loss
+from laminae.primitives.blocks.losses import abstention_loss, cross_entropy, shift_labels, z_loss
 from laminae.primitives.mtp import MTPHead, mtp_loss
-from laminae.primitives.swiglu import SwiGLU
 
 
 @given(seq=st.integers(1, 7), vocab=st.integers(2, 11), p_ignore=st.sampled_from([0.0, 0.5, 1.0]))
@@ -50,10 +49,3 @@ def test_mtp_heads_start_as_the_lm_head_and_average_offsets():
     want = (cross_entropy(head(hidden[:, :-2]), labels[:, 2:]) + cross_entropy(head(hidden[:, :-3]), labels[:, 3:])) / 2
     torch.testing.assert_close(mtp_loss(heads, hidden, labels, head), want)
     assert mtp_loss(heads, hidden[:, :2], labels[:, :2], head).item() == 0.0
-
-
-def test_swiglu_formula_and_divisor():
-    mlp = SwiGLU(6, 10, output_divisor=2.0)
-    x = torch.randn(3, 6)
-    want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)) / 2
-    torch.testing.assert_close(mlp(x), want)
