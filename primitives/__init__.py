@@ -1,4 +1,5 @@
-"""laminae.primitives: each mechanism's nn.Module and its plain-PyTorch reference.
+"""laminae.primitives: each mechanism's nn.Module and its plain-PyTorch reference, and (in
+blocks/) the generic building blocks models wire them with.
 
 Importing this package never imports Triton; the kernels load lazily on first use
 of ``backend="triton"`` (or "auto" on CUDA)."""
@@ -29,13 +30,6 @@ from .blocks import (AttentionOutput, GroupedQueryAttention, GroupedSwiGLU, HCOu
                      RotaryEmbedding, SlidingWindowAttention, SlidingWindowCache, SparseMoE, SwiGLU, abstention_loss,
                      apply_rotary, cross_entropy, expand_streams, rms_norm, rope_inv_freq, sdpa_core, shift_labels,
                      z_loss)
-
-from .decoder import (BRANCH_CALLS, BlockContext, Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
-                      layer_plan)
-from .elastic_decoder import ElasticCausalLM
-from .hybrid_attention import HybridAttention, HybridAttentionCache, HybridAttentionOutput
-from .mtp import MTPHead, mtp_loss
-from .stream_decoder import AttentionSublayer, PreNormLayer, ScaledSublayer, StreamDecoderModel
 
 __all__ = [
     "BACKENDS", "resolve_backend", "set_backend", "use_backend",
@@ -68,8 +62,4 @@ __all__ = [
     "RotaryEmbedding", "apply_rotary", "rope_inv_freq",
     "SlidingWindowAttention", "SlidingWindowCache",
     "SwiGLU",
-    "BRANCH_CALLS", "BlockContext", "Branch", "CausalLM", "DecoderCache", "DecoderModel", "ResidualBlock", "layer_plan",
-    "ElasticCausalLM", "HybridAttention", "HybridAttentionCache", "HybridAttentionOutput",
-    "MTPHead", "mtp_loss",
-    "AttentionSublayer", "PreNormLayer", "ScaledSublayer", "StreamDecoderModel",
 ]

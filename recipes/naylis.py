@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from laminae.primitives import ConfigError, MoMRead
-from laminae.primitives.decoder import Branch, CausalLM, DecoderModel, ResidualBlock
+from laminae.recipes.assembly.decoder import Branch, CausalLM, DecoderModel, ResidualBlock
 from laminae.primitives.blocks.gqa import GroupedQueryAttention
 from laminae.primitives.blocks.losses import cross_entropy, shift_labels
 from laminae.primitives.mom_read import collect_mom_aux_loss

@@ -26,7 +26,7 @@ from torch import nn
 
 from laminae.primitives import ConfigError
 from laminae.primitives.affine_scaled_attention import AffineScaledAttention
-from laminae.primitives.decoder import CausalLM
+from laminae.recipes.assembly.decoder import CausalLM
 from laminae.primitives.blocks.gqa import GroupedQueryAttention
 from laminae.primitives.laurel import LAuReL
 from laminae.primitives.leviathan import LeviathanGenerator
@@ -37,7 +37,7 @@ from laminae.primitives.blocks.rotary import RotaryEmbedding
 from laminae.primitives.siamese_norm import SiameseNormFinal, SiameseNormLayer
 from laminae.primitives.spelling_bee import SpellingBeeEmbedding
 from laminae.primitives.stack_memory import StackMemory
-from laminae.primitives.stream_decoder import AttentionSublayer, PreNormLayer, ScaledSublayer, StreamDecoderModel
+from laminae.recipes.assembly.stream_decoder import AttentionSublayer, PreNormLayer, ScaledSublayer, StreamDecoderModel
 from laminae.primitives.blocks.swiglu import SwiGLU
 from laminae.primitives.xsa import ExclusiveSelfAttention
 

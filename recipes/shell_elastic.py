@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from laminae.primitives import ConfigError
-from laminae.primitives.elastic_decoder import ElasticCausalLM
+from laminae.recipes.assembly.elastic_decoder import ElasticCausalLM
 from laminae.primitives.blocks.losses import cross_entropy, shift_labels
 from laminae.primitives.shared_matrix import MATRICES, ElasticTiers
 

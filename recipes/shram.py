@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from laminae.primitives import ConfigError, MoSRAH
-from laminae.primitives.decoder import Branch, CausalLM, DecoderModel, ResidualBlock
-from laminae.primitives.hybrid_attention import HybridAttention
+from laminae.recipes.assembly.decoder import Branch, CausalLM, DecoderModel, ResidualBlock
+from laminae.recipes.assembly.hybrid_attention import HybridAttention
 from laminae.primitives.blocks.losses import cross_entropy, shift_labels
 from laminae.primitives.blocks.norms import RMSNorm
 from laminae.primitives.blocks.sliding_window import SlidingWindowAttention

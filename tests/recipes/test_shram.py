@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from laminae.primitives import ConfigError
-from laminae.primitives.decoder import DecoderCache
+from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.primitives.blocks.sliding_window import SlidingWindowAttention, SlidingWindowCache
 from laminae.recipes import shram
 
