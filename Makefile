@@ -33,7 +33,7 @@ report: setup
 # Recompile what changed since the committed table, rewrite it and the docs' static
 # section (STEMS="a b" limits it to some mechanisms).
 static: setup
-	env -u TRITON_INTERPRET $(PY) -m laminae.triton_ops._static --write $(STEMS)
+	env -u TRITON_INTERPRET $(PY) -m bench.static_sm90 --write $(STEMS)
 	$(PY) bench/report.py --update-docs docs/benchmarks.md
 
 clean:

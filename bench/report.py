@@ -1,5 +1,5 @@
 """Turn pytest-benchmark JSON into a markdown table and a PNG chart, and/or print
-the static sm_90 summary (read from ``triton_ops/static_sm90.json``; ``make static``
+the static sm_90 summary (read from ``bench/static_sm90.json``; ``make static``
 refreshes that table and this script's ``--update-docs`` writes it into the docs).
 
     python bench/report.py bench/results/latest.json [--png out.png] [--static]
@@ -141,13 +141,22 @@ def chart(rows: list[dict], path: str):
     return fig
 
 
+def _static():
+    """The static check beside this file, whether this runs as ``bench.report`` or as a
+    script (then ``bench/`` is on the path)."""
+    try:
+        from . import static_sm90
+    except ImportError:
+        import static_sm90
+    return static_sm90
+
+
 def static_table(per_config: bool = False) -> str:
     """The static sm_90 record, from the committed table (``make static`` refreshes
     it; nothing is compiled here)."""
-    from laminae.triton_ops import _static
-
-    reports = list(_static.load_table().values())
-    return _static.markdown(reports) if per_config else _static.docs_section(reports)
+    static = _static()
+    reports = list(static.load_table().values())
+    return static.markdown(reports) if per_config else static.docs_section(reports)
 
 
 def main(argv=None) -> int:
@@ -177,9 +186,8 @@ def main(argv=None) -> int:
     if args.static or args.static_configs:
         print("\n" + static_table(per_config=args.static_configs))
     if args.update_docs:
-        from laminae.triton_ops import _static
-
-        changed = _static.update_docs(args.update_docs, list(_static.load_table().values()))
+        static = _static()
+        changed = static.update_docs(args.update_docs, list(static.load_table().values()))
         print(f"{args.update_docs}: static section {'updated' if changed else 'unchanged'}")
     return 0
 

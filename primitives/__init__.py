@@ -1,4 +1,5 @@
-"""laminae.primitives: each mechanism's nn.Module and its plain-PyTorch reference.
+"""laminae.primitives: each mechanism's nn.Module and its plain-PyTorch reference, and (in
+blocks/) the generic building blocks models wire them with.
 
 Importing this package never imports Triton; the kernels load lazily on first use
 of ``backend="triton"`` (or "auto" on CUDA)."""
@@ -16,37 +17,20 @@ from .leviathan import LeviathanGenerator, TokenIdError, leviathan_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, MemoryCachingCache, memory_caching_reference
 from .mom_read import MoMRead, MoMReadCache, MoMReadState, mom_read_reference
-from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
-from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
-from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
-from .mom_read import MoMRead, MoMReadState, mom_read_reference
-from .memory_caching import MemoryCacheBranch, MemoryCacheState, memory_caching_reference
-from .mom_read import MoMRead, MoMReadState, mom_read_reference
-from .elastic_decoder import ElasticCausalLM
-from .hybrid_attention import HybridAttention, HybridAttentionCache
-from .hybrid_attention import HybridAttentionOutput
-from .sliding_window import SlidingWindowAttention, SlidingWindowCache
-from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
                      mosrah_reference)
-from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
+from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
 from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
-from .stack_memory import (StackMemory, StackMemoryCache, StackMemoryState, stack_memory_reference,
+from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
+from .stack_memory import (StackMemory, StackMemoryCache, StackMemoryOutput, StackMemoryState, stack_memory_reference,
                            stack_scan_reference, stack_step_reference)
-from .stack_memory import StackMemoryOutput
 from .xsa import ExclusiveSelfAttention, xsa_reference
 
-from .decoder import (BRANCH_CALLS, BlockContext, Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
-                      layer_plan)
-from .gqa import AttentionOutput, GroupedQueryAttention, sdpa_core
-from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
-from .losses import abstention_loss, cross_entropy, shift_labels, z_loss
-from .moe import GroupedSwiGLU, SparseMoE
-from .mtp import MTPHead, mtp_loss
-from .norms import RMSNorm, rms_norm
-from .rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
-from .swiglu import SwiGLU
-from .stream_decoder import AttentionSublayer, PreNormLayer, ScaledSublayer, StreamDecoderModel
+from .blocks import (AttentionOutput, GroupedQueryAttention, GroupedSwiGLU, HCOutputMix, HyperConnection, RMSNorm,
+                     RotaryEmbedding, SlidingWindowAttention, SlidingWindowCache, SparseMoE, SwiGLU, abstention_loss,
+                     apply_rotary, cross_entropy, expand_streams, rms_norm, rope_inv_freq, sdpa_core, shift_labels,
+                     z_loss)
+
 __all__ = [
     "BACKENDS", "resolve_backend", "set_backend", "use_backend",
     "AppendBuffer", "DecodingCache", "KVCache",
@@ -62,26 +46,20 @@ __all__ = [
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "MemoryCachingCache", "memory_caching_reference",
     "MoMRead", "MoMReadCache", "MoMReadState", "mom_read_reference",
-    "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
-    "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
-    "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
-    "MoMRead", "MoMReadState", "mom_read_reference",
-    "MemoryCacheBranch", "MemoryCacheState", "memory_caching_reference",
-    "MoMRead", "MoMReadState", "mom_read_reference",
-    "ElasticCausalLM", "HybridAttention", "HybridAttentionCache", "SlidingWindowAttention", "SlidingWindowCache",
-    "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
     "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",
-    "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
+    "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
-    "StackMemory", "StackMemoryCache", "StackMemoryState", "stack_memory_reference", "stack_scan_reference",
-    "stack_step_reference",
+    "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
+    "StackMemory", "StackMemoryCache", "StackMemoryOutput", "StackMemoryState", "stack_memory_reference",
+    "stack_scan_reference", "stack_step_reference",
     "ExclusiveSelfAttention", "xsa_reference",
-    "BRANCH_CALLS", "BlockContext", "Branch", "CausalLM", "DecoderCache", "DecoderModel", "ResidualBlock", "layer_plan",
+    # generic building blocks (primitives/blocks/)
     "AttentionOutput", "GroupedQueryAttention", "sdpa_core",
     "HCOutputMix", "HyperConnection", "expand_streams",
     "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
-    "GroupedSwiGLU", "SparseMoE", "MTPHead", "mtp_loss", "RMSNorm", "rms_norm",
-    "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "SwiGLU",
-    "AttentionSublayer", "PreNormLayer", "ScaledSublayer", "StreamDecoderModel",
-    "HybridAttentionOutput", "StackMemoryOutput",
+    "GroupedSwiGLU", "SparseMoE",
+    "RMSNorm", "rms_norm",
+    "RotaryEmbedding", "apply_rotary", "rope_inv_freq",
+    "SlidingWindowAttention", "SlidingWindowCache",
+    "SwiGLU",
 ]

@@ -19,13 +19,13 @@ import torch
 from torch import nn
 
 from laminae.primitives import ConfigError, MoMRead
-from laminae.primitives.decoder import Branch, CausalLM, DecoderModel, ResidualBlock
-from laminae.primitives.gqa import GroupedQueryAttention
-from laminae.primitives.losses import cross_entropy, shift_labels
+from laminae.recipes.assembly.decoder import Branch, CausalLM, DecoderModel, ResidualBlock
+from laminae.primitives.blocks.gqa import GroupedQueryAttention
+from laminae.primitives.blocks.losses import cross_entropy, shift_labels
 from laminae.primitives.mom_read import collect_mom_aux_loss
-from laminae.primitives.norms import RMSNorm
-from laminae.primitives.rotary import RotaryEmbedding
-from laminae.primitives.swiglu import SwiGLU
+from laminae.primitives.blocks.norms import RMSNorm
+from laminae.primitives.blocks.rotary import RotaryEmbedding
+from laminae.primitives.blocks.swiglu import SwiGLU
 
 from ._config import config_from_seed
 from ._keymap import KeyMap, load_state_dict, reference_tensors

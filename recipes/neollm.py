@@ -26,19 +26,19 @@ from torch import nn
 
 from laminae.primitives import ConfigError
 from laminae.primitives.affine_scaled_attention import AffineScaledAttention
-from laminae.primitives.decoder import CausalLM
-from laminae.primitives.gqa import GroupedQueryAttention
+from laminae.recipes.assembly.decoder import CausalLM
+from laminae.primitives.blocks.gqa import GroupedQueryAttention
 from laminae.primitives.laurel import LAuReL
 from laminae.primitives.leviathan import LeviathanGenerator
-from laminae.primitives.losses import IGNORE_INDEX, shift_labels
+from laminae.primitives.blocks.losses import IGNORE_INDEX, shift_labels
 from laminae.primitives.lucid_attention import LucidAttention
-from laminae.primitives.norms import RMSNorm
-from laminae.primitives.rotary import RotaryEmbedding
+from laminae.primitives.blocks.norms import RMSNorm
+from laminae.primitives.blocks.rotary import RotaryEmbedding
 from laminae.primitives.siamese_norm import SiameseNormFinal, SiameseNormLayer
 from laminae.primitives.spelling_bee import SpellingBeeEmbedding
 from laminae.primitives.stack_memory import StackMemory
-from laminae.primitives.stream_decoder import AttentionSublayer, PreNormLayer, ScaledSublayer, StreamDecoderModel
-from laminae.primitives.swiglu import SwiGLU
+from laminae.recipes.assembly.stream_decoder import AttentionSublayer, PreNormLayer, ScaledSublayer, StreamDecoderModel
+from laminae.primitives.blocks.swiglu import SwiGLU
 from laminae.primitives.xsa import ExclusiveSelfAttention
 
 from ._keymap import KeyMap, load_state_dict

@@ -51,7 +51,7 @@ def _grad_errors(mod, model, grads: dict) -> tuple[float, float]:
 
 def check(fixture: str, backend: str = "reference") -> dict:
     """``{logits, loss, grad, grad_margin, decode, ok}`` for one fixture and backend."""
-    from laminae.primitives.decoder import DecoderCache
+    from laminae.recipes.assembly.decoder import DecoderCache
 
     mod, model, inputs, expected = _load(fixture, backend)
     ids, labels = inputs["input_ids"], inputs["labels"]

@@ -22,8 +22,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from laminae.primitives import ConfigError
-from laminae.primitives.elastic_decoder import ElasticCausalLM
-from laminae.primitives.losses import cross_entropy, shift_labels
+from laminae.recipes.assembly.elastic_decoder import ElasticCausalLM
+from laminae.primitives.blocks.losses import cross_entropy, shift_labels
 from laminae.primitives.shared_matrix import MATRICES, ElasticTiers
 
 from ._config import config_from_seed

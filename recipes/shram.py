@@ -24,12 +24,12 @@ import torch
 from torch import nn
 
 from laminae.primitives import ConfigError, MoSRAH
-from laminae.primitives.decoder import Branch, CausalLM, DecoderModel, ResidualBlock
-from laminae.primitives.hybrid_attention import HybridAttention
-from laminae.primitives.losses import cross_entropy, shift_labels
-from laminae.primitives.norms import RMSNorm
-from laminae.primitives.sliding_window import SlidingWindowAttention
-from laminae.primitives.swiglu import SwiGLU
+from laminae.recipes.assembly.decoder import Branch, CausalLM, DecoderModel, ResidualBlock
+from laminae.recipes.assembly.hybrid_attention import HybridAttention
+from laminae.primitives.blocks.losses import cross_entropy, shift_labels
+from laminae.primitives.blocks.norms import RMSNorm
+from laminae.primitives.blocks.sliding_window import SlidingWindowAttention
+from laminae.primitives.blocks.swiglu import SwiGLU
 
 from ._config import config_from_seed
 from ._keymap import KeyMap, load_state_dict, reference_tensors

@@ -26,17 +26,17 @@ import torch
 from torch import nn
 
 from laminae.primitives import ConfigError, DERFAttention, EloAttention
-from laminae.primitives.decoder import Branch, CausalLM, DecoderModel, ResidualBlock, layer_plan
+from laminae.recipes.assembly.decoder import Branch, CausalLM, DecoderModel, ResidualBlock, layer_plan
 from laminae.primitives.engram import EngramLayerFusion, EngramModule
-from laminae.primitives.gqa import GroupedQueryAttention
+from laminae.primitives.blocks.gqa import GroupedQueryAttention
 from laminae.primitives.hrm_refinement import HRMRefinementBlock
-from laminae.primitives.losses import abstention_loss, cross_entropy, shift_labels, z_loss
+from laminae.primitives.blocks.losses import abstention_loss, cross_entropy, shift_labels, z_loss
 from laminae.primitives.memory_caching import MemoryCacheBranch
-from laminae.primitives.moe import SparseMoE
-from laminae.primitives.mtp import MTPHead, mtp_loss
-from laminae.primitives.norms import RMSNorm
-from laminae.primitives.rotary import RotaryEmbedding
-from laminae.primitives.swiglu import SwiGLU
+from laminae.primitives.blocks.moe import SparseMoE
+from laminae.recipes.assembly.mtp import MTPHead, mtp_loss
+from laminae.primitives.blocks.norms import RMSNorm
+from laminae.primitives.blocks.rotary import RotaryEmbedding
+from laminae.primitives.blocks.swiglu import SwiGLU
 
 from ._keymap import KeyMap, load_state_dict, reference_tensors
 from ._spikewhale_config import SpikeWhaleConfig

@@ -12,8 +12,8 @@ import torch
 
 from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttention, EngramModule, LucidAttention,
                                 MemoryCacheBranch, MoMRead, MoSRAH, StackMemory)
-from laminae.primitives.hybrid_attention import HybridAttention, HybridAttentionCache
-from laminae.primitives.sliding_window import SlidingWindowAttention, SlidingWindowCache
+from laminae.recipes.assembly.hybrid_attention import HybridAttention, HybridAttentionCache
+from laminae.primitives.blocks.sliding_window import SlidingWindowAttention, SlidingWindowCache
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 2, 1, 8
 

@@ -78,8 +78,10 @@ NOT_IN_BLOCKS = {
 
 
 def test_every_decoding_block_is_checked():
-    primitives = importlib.import_module("laminae.primitives")
-    decoding = {name for name in primitives.__all__ if _takes_cache(getattr(primitives, name))}
+    decoding = set()
+    for package in ("laminae.primitives", "laminae.recipes.assembly"):
+        module = importlib.import_module(package)
+        decoding |= {name for name in module.__all__ if _takes_cache(getattr(module, name))}
     covered = {type(block.build("reference")).__name__ for block in BLOCKS}
     assert decoding - covered == set(NOT_IN_BLOCKS), "add the block to tests/_blocks.py"
 

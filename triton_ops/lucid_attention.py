@@ -316,7 +316,7 @@ class Tiles(NamedTuple):
 
 # Per padded head dim, for fp32 (exact "ieee" products on CUDA cores) and for bf16/fp16
 # (16-bit operands on the tensor cores, fp32 accumulation), sized for sm_90 without
-# spills at NUM_STAGES (``python -m laminae.triton_ops._static lucid_attention``). 64-key
+# spills at NUM_STAGES (``python -m bench.static_sm90 lucid_attention``). 64-key
 # blocks with 4-warp warpgroups give wgmma its M = 64 tiles. Head dims above the largest
 # key have no spill-free tile and are rejected.
 NUM_STAGES = 2

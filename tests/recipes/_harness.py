@@ -81,7 +81,7 @@ def tier_gradient_errors(mod, model, expected, tier: str) -> dict[str, float]:
 
 def decode_in_steps(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     """Logits of a prefill of ``prefill`` tokens followed by one-token cached steps."""
-    from laminae.primitives.decoder import DecoderCache
+    from laminae.recipes.assembly.decoder import DecoderCache
 
     with torch.no_grad():
         out = model(ids[:, :prefill], cache=DecoderCache())

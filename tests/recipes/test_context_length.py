@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from laminae.primitives import ShapeError
-from laminae.primitives.decoder import DecoderCache
+from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.recipes import naylis, neollm, shell_elastic, shram, spikewhale
 
 CONTEXT = 6

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from laminae.primitives import ConfigError
-from laminae.primitives.decoder import DecoderCache
+from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.recipes import neollm as nl
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laminae.primitives.decoder import DecoderCache
+from laminae.recipes.assembly.decoder import DecoderCache
 
 from ._harness import FIXTURES, GRAD_ATOL, LOGIT_ATOL, build_loaded, decode_in_steps, gradient_errors, load
 

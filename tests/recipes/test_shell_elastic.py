@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from laminae.primitives import ConfigError, DTypeError, ShapeError
-from laminae.primitives.decoder import DecoderCache
+from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.recipes import shell_elastic as se
 
 from ._harness import DATA, GRAD_ATOL, LOGIT_ATOL, relative_gradient_errors, tier_gradient_errors

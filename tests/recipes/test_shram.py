@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from laminae.primitives import ConfigError
-from laminae.primitives.decoder import DecoderCache
-from laminae.primitives.sliding_window import SlidingWindowAttention, SlidingWindowCache
+from laminae.recipes.assembly.decoder import DecoderCache
+from laminae.primitives.blocks.sliding_window import SlidingWindowAttention, SlidingWindowCache
 from laminae.recipes import shram
 
 from ._harness import LOGIT_ATOL, _files, build_loaded, relative_gradient_errors

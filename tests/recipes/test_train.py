@@ -127,7 +127,7 @@ def test_loss_curve_is_announced_only_when_written(tmp_path, monkeypatch, capsys
 
 
 def test_spikewhale_tiny_full_trains_every_listed_mechanism(tmp_path):
-    from laminae.primitives.decoder import layer_plan
+    from laminae.recipes.assembly.decoder import layer_plan
     from laminae.recipes import spikewhale
     from laminae.recipes.train import PRESETS, make_config
 

@@ -15,12 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from laminae.triton_ops import _static
 from laminae.triton_ops._common import StaticCase
 from laminae.triton_ops.tour import MECHANISMS
 
+_ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(_ROOT))
+
+from bench import static_sm90 as _static  # noqa: E402  (tooling beside the package, run from the root)
+
 _ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-_OPS = Path(_static.__file__).parent
+_OPS = _ROOT / "triton_ops"
 
 
 def _report(d: dict) -> _static.StaticReport:
@@ -37,8 +41,8 @@ def test_every_kernel_configuration_is_clean_on_sm90():
     reports = {j.id: table[j.id] for j in jobs if j.stem not in todo}
     compiled = 0
     if todo:  # something changed since `make static`: compile it now (only what changed)
-        proc = subprocess.run([sys.executable, "-m", "laminae.triton_ops._static", "--json", *todo],
-                              capture_output=True, text=True, env=_ENV)
+        proc = subprocess.run([sys.executable, "-m", "bench.static_sm90", "--json", *todo],
+                              capture_output=True, text=True, env=_ENV, cwd=_ROOT)
         assert proc.stdout.strip(), f"static check produced no output:\n{proc.stderr[-3000:]}"
         out = json.loads(proc.stdout)
         compiled = out["compiled"]
@@ -55,11 +59,11 @@ def test_every_kernel_configuration_is_clean_on_sm90():
             pytest.fail(f"static sm_90 table is stale: run `make static` ({todo + gone})"[:2000])
         warnings.warn(f"static sm_90 table is stale ({compiled} configurations compiled in this run, "
                       f"{len(gone)} entries no longer launched, e.g. {(todo + gone)[:3]}): all clean, "
-                      f"but run `make static` to refresh triton_ops/static_sm90.json and the docs")
+                      f"but run `make static` to refresh bench/static_sm90.json and the docs")
 
 
 def test_docs_static_section_is_generated_from_the_table():
-    text = (_OPS.parent / "docs" / "benchmarks.md").read_text()
+    text = (_ROOT / "docs" / "benchmarks.md").read_text()
     begin, end = _static.DOCS_BEGIN, _static.DOCS_END
     assert begin in text and end in text
     section = text[text.index(begin) + len(begin):text.index(end)]
@@ -183,7 +187,7 @@ def test_static_case_defaults_are_tritons_launch_defaults():
 
 _EDITED = textwrap.dedent("""
     import json, sys
-    from laminae.triton_ops import _static
+    from bench import static_sm90 as _static
     copy, table, bad = sys.argv[1:4]
     entries = [r for r in _static.load_table().values() if r.mechanism == "derf"]
     for r in entries:
@@ -220,7 +224,7 @@ def edited_run(tmp_path_factory):
             yield StaticCase("bad", k, dict(a="*fp32", o="*fp32"), dict(B=8))
     """))
     out = subprocess.run([sys.executable, "-c", _EDITED, str(tmp / "derf_copy.py"), str(tmp / "t.json"),
-                          str(tmp / "badkern.py")], capture_output=True, text=True, env=_ENV)
+                          str(tmp / "badkern.py")], capture_output=True, text=True, env=_ENV, cwd=_ROOT)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr[-3000:]
     return json.loads(out.stdout)
 

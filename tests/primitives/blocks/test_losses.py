@@ -2,9 +2,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from laminae.primitives.losses import abstention_loss, cross_entropy, shift_labels, z_loss
-from laminae.primitives.mtp import MTPHead, mtp_loss
-from laminae.primitives.swiglu import SwiGLU
+from laminae.primitives.blocks.losses import abstention_loss, cross_entropy, shift_labels, z_loss
 
 
 @given(seq=st.integers(1, 7), vocab=st.integers(2, 11), p_ignore=st.sampled_from([0.0, 0.5, 1.0]))
@@ -41,19 +39,3 @@ def test_abstention_loss_targets_wrong_top1():
     a = torch.tensor([[0.3, -0.2]])
     want = F.binary_cross_entropy_with_logits(a[0], torch.tensor([0.0, 1.0]), pos_weight=torch.tensor(8.0))
     torch.testing.assert_close(abstention_loss(a, logits, labels), want)
-
-
-def test_mtp_heads_start_as_the_lm_head_and_average_offsets():
-    head = torch.nn.Linear(6, 9, bias=False)
-    hidden, labels = torch.randn(2, 5, 6), torch.randint(9, (2, 5))
-    heads = [MTPHead(6), MTPHead(6)]
-    want = (cross_entropy(head(hidden[:, :-2]), labels[:, 2:]) + cross_entropy(head(hidden[:, :-3]), labels[:, 3:])) / 2
-    torch.testing.assert_close(mtp_loss(heads, hidden, labels, head), want)
-    assert mtp_loss(heads, hidden[:, :2], labels[:, :2], head).item() == 0.0
-
-
-def test_swiglu_formula_and_divisor():
-    mlp = SwiGLU(6, 10, output_divisor=2.0)
-    x = torch.randn(3, 6)
-    want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x)) / 2
-    torch.testing.assert_close(mlp(x), want)

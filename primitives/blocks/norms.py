@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._errors import ConfigError, ShapeError
-from ._validation import check_positive_float, check_positive_int
+from .._errors import ConfigError, ShapeError
+from .._validation import check_positive_float, check_positive_int
 
 __all__ = ["rms_norm", "RMSNorm"]
 

@@ -18,8 +18,8 @@ n entries of every norm gain::
 Module names are the seed's (``layers.{i}.attn.q_proj`` …), so its checkpoints load
 as they are and :func:`~laminae.primitives.shared_matrix.extract_tier` finds every
 matrix. ``forward(ids, attention_mask=None, cache=None, tier=None) -> LMOutput``;
-decoding keeps one :class:`~laminae.primitives.gqa.KVCache` per layer inside a
-:class:`~laminae.primitives.decoder.DecoderCache` tied to the tier.
+decoding keeps one :class:`~laminae.primitives.KVCache` per layer inside a
+:class:`~laminae.recipes.assembly.decoder.DecoderCache` tied to the tier.
 """
 from __future__ import annotations
 
@@ -29,14 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import Backend, check_backend, resolve_backend
-from ._errors import ConfigError, ShapeError
-from ._validation import (check_choice, check_context, check_has_tokens, check_keep_mask, check_positive_int,
-                          check_tensor)
+from laminae.primitives._backend import Backend, check_backend, resolve_backend
+from laminae.primitives._errors import ConfigError, ShapeError
+from laminae.primitives._validation import (check_choice, check_context, check_has_tokens, check_keep_mask,
+                                            check_positive_int, check_tensor)
+from laminae.primitives.blocks.gqa import KVCache, sdpa_core
+from laminae.primitives.blocks.norms import RMSNorm, rms_norm
+from laminae.primitives.shared_matrix import ElasticTiers, SharedMatrix, extract_tier
+
 from .decoder import DecoderCache, LMOutput
-from .gqa import KVCache, sdpa_core
-from .norms import RMSNorm, rms_norm
-from .shared_matrix import ElasticTiers, SharedMatrix, extract_tier
 
 __all__ = ["ROPE_PRECISIONS", "elastic_rope_tables", "ElasticAttention", "ElasticMLP", "ElasticLayer",
            "ElasticCausalLM"]

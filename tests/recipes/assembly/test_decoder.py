@@ -3,13 +3,13 @@ import torch
 from torch import nn
 
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
-from laminae.primitives.decoder import (Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
+from laminae.recipes.assembly.decoder import (Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
                                         layer_plan)
-from laminae.primitives.gqa import GroupedQueryAttention
-from laminae.primitives.hyper_connections import HCOutputMix, HyperConnection, expand_streams
-from laminae.primitives.norms import RMSNorm
-from laminae.primitives.rotary import RotaryEmbedding
-from laminae.primitives.swiglu import SwiGLU
+from laminae.primitives.blocks.gqa import GroupedQueryAttention
+from laminae.primitives.blocks.hyper_connections import HCOutputMix, HyperConnection, expand_streams
+from laminae.primitives.blocks.norms import RMSNorm
+from laminae.primitives.blocks.rotary import RotaryEmbedding
+from laminae.primitives.blocks.swiglu import SwiGLU
 
 
 def test_layer_plans():
@@ -43,7 +43,7 @@ def test_residual_block_is_pre_norm_residual():
     lm = tiny_llama(1)
     block = lm.model.layers[0]
     x = torch.randn(1, 4, 16)
-    from laminae.primitives.decoder import BlockContext
+    from laminae.recipes.assembly.decoder import BlockContext
 
     ctx = BlockContext(torch.arange(4)[None])
     h = x + block.attn(block.attn_norm(x), ctx.positions).output
@@ -103,7 +103,7 @@ def test_named_errors():
 
 
 def test_injection_stays_in_the_stream_without_hyper_connections_and_not_with_them():
-    from laminae.primitives.decoder import BlockContext
+    from laminae.recipes.assembly.decoder import BlockContext
 
     torch.manual_seed(0)
     x, emb = torch.randn(1, 3, 8), torch.randn(1, 3, 8)

@@ -6,8 +6,8 @@ from hypothesis import given, strategies as st
 
 from laminae.primitives import (AffineScaledAttention, ConfigError, DERFAttention, DTypeError, EloAttention,
                                 LucidAttention, ShapeError)
-from laminae.primitives.gqa import GroupedQueryAttention, depth_mix_values, sdpa_core
-from laminae.primitives.rotary import RotaryEmbedding
+from laminae.primitives.blocks.gqa import GroupedQueryAttention, depth_mix_values, sdpa_core
+from laminae.primitives.blocks.rotary import RotaryEmbedding
 
 
 def explicit_attention(q, k, v, keep=None):

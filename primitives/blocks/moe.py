@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._errors import ConfigError, ShapeError
-from ._validation import check_choice, check_positive_int
+from .._errors import ConfigError, ShapeError
+from .._validation import check_choice, check_positive_int
 from .swiglu import SwiGLU
 
 __all__ = ["GroupedSwiGLU", "MoEOutput", "SparseMoE", "moe_route", "sqrt_softplus"]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._validation import check_positive_float, check_positive_int
+from .._validation import check_positive_float, check_positive_int
 
 __all__ = ["SwiGLU"]
 

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._errors import ShapeError
-from ._validation import check_positive_int
+from .._errors import ShapeError
+from .._validation import check_positive_int
 
 __all__ = ["expand_streams", "HyperConnection", "HCOutputMix"]
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._errors import ConfigError, ShapeError
-from ._validation import check_positive_float, check_positive_int, debug_checks_enabled
+from .._errors import ConfigError, ShapeError
+from .._validation import check_positive_float, check_positive_int, debug_checks_enabled
 
 __all__ = ["rope_inv_freq", "apply_rotary", "RotaryEmbedding"]
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from laminae.primitives import (ConfigError, DTypeError, GroupedQueryAttention, RMSNorm, ShapeError,
                                 SiameseNormFinal, SiameseNormLayer, StackMemory, SwiGLU)
-from laminae.primitives.stream_decoder import AttentionSublayer, PreNormLayer, ScaledSublayer, StreamDecoderModel
+from laminae.recipes.assembly.stream_decoder import AttentionSublayer, PreNormLayer, ScaledSublayer, StreamDecoderModel
 
 D = 16
 

@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._backend import Backend, check_backend, resolve_backend
-from ._cache import DecodingCache, check_cache
-from ._validation import check_has_tokens, check_positive_int
-from .mosrah import rope_rotate
+from .._backend import Backend, check_backend, resolve_backend
+from .._cache import DecodingCache, check_cache
+from .._validation import check_has_tokens, check_positive_int
+from ..mosrah import rope_rotate
 
 __all__ = ["SlidingWindowCache", "SlidingWindowAttention", "sliding_window_reference"]
 

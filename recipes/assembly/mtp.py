@@ -12,8 +12,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ._validation import check_positive_int
-from .losses import IGNORE_INDEX, cross_entropy
+from laminae.primitives._validation import check_positive_int
+from laminae.primitives.blocks.losses import IGNORE_INDEX, cross_entropy
 
 __all__ = ["MTPHead", "mtp_loss"]
 

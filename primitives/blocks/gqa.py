@@ -40,11 +40,11 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import nn
 
-from ._attention import visible_keys
-from ._backend import Backend, check_backend
-from ._cache import AppendBuffer, DecodingCache, KVCache
-from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
+from .._attention import visible_keys
+from .._backend import Backend, check_backend
+from .._cache import AppendBuffer, DecodingCache, KVCache
+from .._errors import ConfigError, DeviceError, DTypeError, ShapeError
+from .._validation import FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
 from .norms import RMSNorm
 from .rotary import RotaryEmbedding
 
@@ -75,10 +75,10 @@ def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch
 
 
 def _core_kind(core: Any) -> str:
-    from .affine_scaled_attention import AffineScaledAttention
-    from .derf import DERFAttention
-    from .elo_attention import EloAttention
-    from .lucid_attention import LucidAttention
+    from ..affine_scaled_attention import AffineScaledAttention
+    from ..derf import DERFAttention
+    from ..elo_attention import EloAttention
+    from ..lucid_attention import LucidAttention
 
     for kind, cls in (("derf", DERFAttention), ("elo", EloAttention), ("affine", AffineScaledAttention),
                       ("lucid", LucidAttention)):
@@ -192,7 +192,7 @@ class GroupedQueryAttention(nn.Module):
             self.core = core
         self.xsa = None
         if xsa:
-            from .xsa import ExclusiveSelfAttention
+            from ..xsa import ExclusiveSelfAttention
 
             self.xsa = ExclusiveSelfAttention(num_heads, num_kv_heads, head_dim, backend=backend)
         self.depth_gate = nn.Parameter(torch.zeros(1)) if depth_gate else None

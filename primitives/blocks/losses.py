@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._errors import ShapeError
+from .._errors import ShapeError
 
 __all__ = ["IGNORE_INDEX", "shift_labels", "cross_entropy", "z_loss", "abstention_loss"]
 

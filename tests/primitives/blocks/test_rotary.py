@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from laminae.primitives import ConfigError, ShapeError
-from laminae.primitives.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from laminae.primitives.blocks.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 
 def rotate_half_reference(x, positions, dim, theta):

@@ -25,13 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._errors import ConfigError, ShapeError
-from ._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
-                          check_tensor)
+from laminae.primitives._errors import ConfigError, ShapeError
+from laminae.primitives._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int,
+                                            check_same_device, check_tensor)
+from laminae.primitives.blocks.gqa import GroupedQueryAttention
+from laminae.primitives.siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_start
+from laminae.primitives.stack_memory import StackMemory, StackMemoryState
+
 from .decoder import DecoderCache, DecoderOutput
-from .gqa import GroupedQueryAttention
-from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_start
-from .stack_memory import StackMemory, StackMemoryState
 
 __all__ = ["FlowContext", "AttentionSublayer", "ScaledSublayer", "PreNormLayer", "StreamDecoderModel"]
 

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from laminae.primitives import ConfigError, ShapeError
-from laminae.primitives.norms import RMSNorm, rms_norm
+from laminae.primitives.blocks.norms import RMSNorm, rms_norm
 
 
 def llama_rms(x, w, eps):

@@ -21,11 +21,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ._cache import DecodingCache
-from ._validation import check_has_tokens, check_keep_mask
+from laminae.primitives._cache import DecodingCache
+from laminae.primitives._validation import check_has_tokens, check_keep_mask
+from laminae.primitives.blocks.sliding_window import SlidingWindowAttention, SlidingWindowCache
+from laminae.primitives.mosrah import MoSRAH, MoSRAHCache
+
 from .decoder import BRANCH_CALLS
-from .mosrah import MoSRAH, MoSRAHCache
-from .sliding_window import SlidingWindowAttention, SlidingWindowCache
 
 __all__ = ["HybridAttention", "HybridAttentionCache", "HybridAttentionOutput"]
 

@@ -40,12 +40,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._errors import ConfigError, ShapeError
-from ._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
-                          check_tensor)
-from ._cache import DecodingCache
-from .gqa import GroupedQueryAttention
-from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
+from laminae.primitives._cache import DecodingCache
+from laminae.primitives._errors import ConfigError, ShapeError
+from laminae.primitives._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int,
+                                            check_same_device, check_tensor)
+from laminae.primitives.blocks.gqa import GroupedQueryAttention
+from laminae.primitives.blocks.hyper_connections import HCOutputMix, HyperConnection, expand_streams
 
 __all__ = ["BlockContext", "Branch", "BRANCH_CALLS", "ResidualBlock", "layer_plan", "DecoderCache",
            "DecoderOutput", "DecoderModel", "CausalLM", "LMOutput"]
@@ -102,10 +102,10 @@ def _call_engram_fusion(module, x, ctx, state):
 
 
 def _default_calls() -> dict[type, BranchCall]:
-    from .engram import EngramLayerFusion
-    from .memory_caching import MemoryCacheBranch
-    from .moe import SparseMoE
-    from .mom_read import MoMRead
+    from laminae.primitives.engram import EngramLayerFusion
+    from laminae.primitives.memory_caching import MemoryCacheBranch
+    from laminae.primitives.blocks.moe import SparseMoE
+    from laminae.primitives.mom_read import MoMRead
 
     return {GroupedQueryAttention: _call_attention, SparseMoE: _call_moe, MoMRead: _call_mom,
             MemoryCacheBranch: _call_memory_cache, EngramLayerFusion: _call_engram_fusion}

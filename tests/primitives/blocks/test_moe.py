@@ -4,7 +4,7 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 from laminae.primitives import ConfigError
-from laminae.primitives.moe import SparseMoE
+from laminae.primitives.blocks.moe import SparseMoE
 
 
 def loop_reference(moe, x, positions=None):

@@ -1,0 +1,22 @@
+"""laminae.primitives.blocks: generic building blocks (norms, rotary embeddings, SwiGLU,
+grouped-query attention, MoE, hyper-connections, losses, sliding-window attention),
+written with PyTorch's own ops; the mechanisms beside this folder are what they wire in."""
+from .gqa import AttentionOutput, GroupedQueryAttention, sdpa_core
+from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
+from .losses import abstention_loss, cross_entropy, shift_labels, z_loss
+from .moe import GroupedSwiGLU, SparseMoE
+from .norms import RMSNorm, rms_norm
+from .rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from .sliding_window import SlidingWindowAttention, SlidingWindowCache
+from .swiglu import SwiGLU
+
+__all__ = [
+    "AttentionOutput", "GroupedQueryAttention", "sdpa_core",
+    "HCOutputMix", "HyperConnection", "expand_streams",
+    "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
+    "GroupedSwiGLU", "SparseMoE",
+    "RMSNorm", "rms_norm",
+    "RotaryEmbedding", "apply_rotary", "rope_inv_freq",
+    "SlidingWindowAttention", "SlidingWindowCache",
+    "SwiGLU",
+]
