@@ -3,6 +3,7 @@ comparison with SDPA on the same shape, merging runs, and the adaptive round cou
 a readable chart; a run stopped by SIGINT keeping its JSON; `make bench BENCH=...`."""
 import json
 import shutil
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,9 +71,12 @@ def test_a_run_stopped_by_sigint_still_writes_its_json(tmp_path):
         "def test_stopped(benchmark):\n"
         "    benchmark.pedantic(lambda: os.kill(os.getpid(), signal.SIGINT), rounds=3, iterations=1)\n")
     out = tmp_path / "bench.json"
+    # a child of a pytest-xdist worker inherits PYTEST_XDIST_WORKER, which makes
+    # pytest-benchmark believe it runs under xdist and disable every benchmark
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
                            str(tmp_path / "test_stop.py"), f"--benchmark-json={out}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
     assert "KeyboardInterrupt" in done.stdout + done.stderr
     assert out.exists(), done.stdout[-2000:] + done.stderr[-2000:]
     saved = json.loads(out.read_text())["benchmarks"]
