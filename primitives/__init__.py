@@ -5,6 +5,7 @@ Importing this package never imports Triton; the kernels load lazily on first us
 of ``backend="triton"`` (or "auto" on CUDA)."""
 from ._backend import BACKENDS, resolve_backend, set_backend, use_backend
 from ._cache import AppendBuffer, DecodingCache, KVCache
+from ._outputs import BlockOutput
 from ._errors import BackendUnavailableError, ConfigError, DeviceError, DTypeError, ShapeError
 from .affine_scaled_attention import AffineScaledAttention, AffineScaledAttentionCache, affine_scaled_attention_reference
 from .derf import DERFAttention, DERFCache, DERFContextGate, derf_attention_reference, derf_context_gate_reference
@@ -33,7 +34,7 @@ from .blocks import (AttentionOutput, GroupedQueryAttention, GroupedSwiGLU, HCOu
 
 __all__ = [
     "BACKENDS", "resolve_backend", "set_backend", "use_backend",
-    "AppendBuffer", "DecodingCache", "KVCache",
+    "AppendBuffer", "BlockOutput", "DecodingCache", "KVCache",
     "BackendUnavailableError", "ConfigError", "DeviceError", "DTypeError", "ShapeError",
     "AffineScaledAttention", "AffineScaledAttentionCache", "affine_scaled_attention_reference",
     "DERFAttention", "DERFCache", "DERFContextGate", "derf_attention_reference", "derf_context_gate_reference",

@@ -190,7 +190,7 @@ def check_cache(cache: object, cls: type, config: Mapping[str, Any], *,
 class KVCache(DecodingCache):
     """Keys, values and the key keep mask of every token so far (attention cores).
 
-    ``key``/``value``: ``[B, length, H_kv, D]`` views; ``keep``: ``[B, length]`` bool,
+    ``keys``/``values``: ``[B, length, H_kv, D]`` views; ``keep``: ``[B, length]`` bool,
     or None while no appended chunk came with a padding mask (the kernels then skip
     the mask); ``length``: tokens held. Start from ``cache=None`` (the module returns
     a cache) or from ``module.allocate_cache(batch, max_len)`` to preallocate.
@@ -228,11 +228,11 @@ class KVCache(DecodingCache):
         return self.buffers.capacity
 
     @property
-    def key(self) -> torch.Tensor | None:
+    def keys(self) -> torch.Tensor | None:
         return self.buffers.get("key")
 
     @property
-    def value(self) -> torch.Tensor | None:
+    def values(self) -> torch.Tensor | None:
         return self.buffers.get("value")
 
     @property

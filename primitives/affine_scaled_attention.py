@@ -305,7 +305,7 @@ class AffineScaledAttention(nn.Module):
                                                attention_mask is not None, self._cache_config())
         else:
             cache = cache.append(k, v, attention_mask)
-            keys, values, key_mask = cache.key, cache.value, cache.keep
+            keys, values, key_mask = cache.keys, cache.values, cache.keep
         # a snapshot: a later training forward updates the buffer in place, and this
         # call's backward must see the value its forward used
         alpha_ma = self.alpha_ma.clone()

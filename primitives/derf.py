@@ -312,7 +312,7 @@ class DERFAttention(nn.Module):
                               self._cache_config())
         else:
             cache = cache.append(k, v, attention_mask)
-            keys, values, key_mask = cache.key, cache.value, cache.keep
+            keys, values, key_mask = cache.keys, cache.values, cache.keep
             check_derf_attention_inputs(q, keys, values, *params, None)
         with without_autocast(q.device.type):
             if resolve_backend(self.backend, q, keys, values) == "triton":

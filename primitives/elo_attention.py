@@ -295,7 +295,7 @@ class EloAttention(nn.Module):
             cache.check("EloAttention", self._cache_config(), k)
             prior = cache.rating
             cache = cache.append(k, v, attention_mask)
-            keys, values, mask = cache.key, cache.value, cache.keep
+            keys, values, mask = cache.keys, cache.values, cache.keep
         check_elo_attention_inputs(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
         with without_autocast(q.device.type):
             if resolve_backend(self.backend, q, keys, values) == "triton":

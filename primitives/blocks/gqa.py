@@ -282,8 +282,8 @@ class GroupedQueryAttention(nn.Module):
             new_cache = cache.append(k, v, keep)
             if cache.length:
                 # with gradients on, the fresh keys keep their graph; the cache holds detached copies
-                keys = torch.cat([cache.key, k], dim=1) if torch.is_grad_enabled() else new_cache.key
-                values = torch.cat([cache.value, v], dim=1) if torch.is_grad_enabled() else new_cache.value
+                keys = torch.cat([cache.keys, k], dim=1) if torch.is_grad_enabled() else new_cache.keys
+                values = torch.cat([cache.values, v], dim=1) if torch.is_grad_enabled() else new_cache.values
                 key_mask = new_cache.keep
         y = sdpa_core(q, keys, values, key_mask, self.dropout if self.training else 0.0)
         return y, new_cache

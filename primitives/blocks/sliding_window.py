@@ -52,13 +52,13 @@ def sliding_window_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 @dataclass(eq=False)
 class SlidingWindowCache(DecodingCache):
-    """The retained frame: post-RoPE ``key``/``value`` ``[B, window, H, u]`` and ``live
+    """The retained frame: post-RoPE ``keys``/``values`` ``[B, window, H, u]`` and ``live
     [B, window]`` (live entries first, oldest first); ``tokens`` positions seen.
     Immutable: a step returns a new one. The frame is bounded by the window, so a step
     costs O(window + chunk) whatever the length of the past."""
 
-    key: torch.Tensor | None = None
-    value: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
     live: torch.Tensor | None = None
     tokens: int = 0
 
@@ -68,12 +68,12 @@ class SlidingWindowCache(DecodingCache):
 
     @property
     def config(self) -> dict:
-        if self.key is None:
+        if self.keys is None:
             return {}
-        return {"window": self.key.shape[1], "num_heads": self.key.shape[2], "head_dim": self.key.shape[3]}
+        return {"window": self.keys.shape[1], "num_heads": self.keys.shape[2], "head_dim": self.keys.shape[3]}
 
     def reset(self) -> None:
-        self.key = self.value = self.live = None
+        self.keys = self.values = self.live = None
         self.tokens = 0
 
 
@@ -121,16 +121,16 @@ class SlidingWindowAttention(nn.Module):
         if cache is not None:
             check_cache(cache, SlidingWindowCache, {"window": self.window, "num_heads": self.num_heads,
                                                     "head_dim": self.head_dim}, batch=B, device=x.device,
-                        cache_batch=None if cache.key is None else cache.key.shape[0],
-                        cache_device=None if cache.key is None else cache.key.device)
+                        cache_batch=None if cache.keys is None else cache.keys.shape[0],
+                        cache_device=None if cache.keys is None else cache.keys.device)
             tokens = cache.tokens + N
-            if cache.key is None:
+            if cache.keys is None:
                 W = self.window
                 cache = SlidingWindowCache(k.new_zeros(B, W, *shape[2:]), v.new_zeros(B, W, *shape[2:]),
                                            torch.zeros(B, W, dtype=torch.bool, device=x.device))
             # frame = retained ‖ chunk: O(window + N) per call
-            key = torch.cat([cache.key.to(k.dtype), k], 1)
-            value = torch.cat([cache.value.to(v.dtype), v], 1)
+            key = torch.cat([cache.keys.to(k.dtype), k], 1)
+            value = torch.cat([cache.values.to(v.dtype), v], 1)
             key_live = torch.cat([cache.live, live], 1)
             cache = self._retain(key.detach(), value.detach(), key_live)
             cache.tokens = tokens

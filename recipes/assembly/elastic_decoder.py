@@ -108,7 +108,7 @@ class ElasticAttention(nn.Module):
             cache.check("ElasticAttention", config, k)
             cache = cache.append(k, v, keep if keep is not None else torch.ones(B, S, dtype=torch.bool,
                                                                              device=x.device), config=config)
-            k, v, key_mask = cache.key.to(q.dtype), cache.value.to(q.dtype), cache.keep
+            k, v, key_mask = cache.keys.to(q.dtype), cache.values.to(q.dtype), cache.keep
         if cache is None and resolve_backend(self.backend, q) == "triton":
             from laminae.triton_ops._flash import flash_attention
 

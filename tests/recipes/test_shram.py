@@ -99,7 +99,7 @@ def test_sliding_window_sees_itself_and_the_previous_window_minus_one_live_token
         y, cache = layer(x[:, t:t + 1], pos[:, t:t + 1], live[:, t:t + 1], cache)
         steps.append(y)
     torch.testing.assert_close(torch.cat(steps, 1), got, atol=1e-6, rtol=0)
-    assert cache.key.shape[1] == 3
+    assert cache.keys.shape[1] == 3
 
 
 def test_padding_nan_never_reaches_kept_positions():

@@ -71,8 +71,8 @@ def test_cache_is_not_mutated_and_forks_are_independent():
         a2, _, _ = attn(x[:, 4:5], pos[:, 4:5], cache=root)
     assert root.length == 4 and cache_a.length == cache_b.length == 5
     torch.testing.assert_close(a2, a, atol=0, rtol=0)
-    torch.testing.assert_close(cache_a.key[:, :4], root.key)
-    assert not torch.equal(cache_a.key[:, 4], cache_b.key[:, 4])
+    torch.testing.assert_close(cache_a.keys[:, :4], root.keys)
+    assert not torch.equal(cache_a.keys[:, 4], cache_b.keys[:, 4])
 
 
 def test_appends_reuse_the_buffer_and_grow_by_doubling():
@@ -81,7 +81,7 @@ def test_appends_reuse_the_buffer_and_grow_by_doubling():
     with torch.no_grad():
         for t in range(40):
             _, cache, _ = attn(torch.randn(1, 1, 16), torch.tensor([[t]]), cache=cache)
-            buffers.add(cache.key.data_ptr())
+            buffers.add(cache.keys.data_ptr())
     assert cache.length == 40 and cache.max_len == 64
     assert len(buffers) == 4          # the first token's own tensor, then capacities 16, 32, 64
 
