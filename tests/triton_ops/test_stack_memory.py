@@ -1,3 +1,6 @@
+import importlib
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given
@@ -10,6 +13,8 @@ from laminae.triton_ops.stack_memory import (_stack_scan_op, _stack_step_op, sta
                                              supports)
 
 from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
+
+kernels = importlib.import_module("laminae.triton_ops.stack_memory")
 
 read_modes = st.sampled_from(["soft", "released"])
 # (S, d): non-powers of two, the single slot, and the NeoLLM (16, 6) and paper (24, 16) sizes
@@ -42,15 +47,50 @@ def test_step_kernel_matches_reference_fp32(batch, length, heads, size, read_mod
                   output_names=["read", "new_stack", "new_mask", "entropy"])
 
 
-@given(batch=st.integers(1, 2), length=st.integers(1, 5), heads=st.integers(1, 3), size=sizes,
-       read_mode=read_modes, masked=st.booleans(), scale=scales, seed=seeds)
-def test_scan_kernel_matches_reference_fp32(batch, length, heads, size, read_mode, masked, scale, seed):
+SCAN_GRADS = ["logits", "push", "gate", "initial_stack", "initial_mask"]
+SCAN_OUTPUTS = ["read", "entropy", "final_stack", "final_mask"]
+
+
+# Chunks of 1–3 tokens put every chunk boundary of the scan into short sequences:
+# T < chunk, T a multiple of it, and T over several chunks with a ragged last one.
+@given(batch=st.integers(1, 2), length=st.integers(1, 7), heads=st.integers(1, 2), size=sizes,
+       read_mode=read_modes, masked=st.booleans(), chunk=st.sampled_from([1, 2, 3, kernels.SCAN_CHUNK]),
+       scale=scales, seed=seeds)
+def test_scan_kernel_matches_reference_fp32(batch, length, heads, size, read_mode, masked, chunk, scale, seed):
     S, d = size
     inp = _state_inputs(batch, length, heads, S, d, scale, seed, masked=masked, temporal=True)
     inp["read_mode"] = read_mode
-    grads = ["logits", "push", "gate", "initial_stack", "initial_mask"]
-    assert_parity(stack_scan, stack_scan_reference, inp, grads,
-                  output_names=["read", "entropy", "final_stack", "final_mask"])
+    with mock.patch.object(kernels, "SCAN_CHUNK", chunk):
+        assert_parity(stack_scan, stack_scan_reference, inp, SCAN_GRADS, output_names=SCAN_OUTPUTS)
+
+
+def _scan_configurations():
+    """(BLOCK_S, BLOCK_W, num_warps) of every temporal-scan kernel the static cases
+    declare: what the CUDA path can launch."""
+    return sorted({(c.constexprs["BLOCK_S"], c.constexprs["BLOCK_W"], c.num_warps) for c in kernels.static_cases()
+                   if c.name.startswith("stack_scan")})
+
+
+@pytest.mark.parametrize("config", _scan_configurations(), ids=lambda c: "S{}-W{}-warps{}".format(*c))
+def test_scan_every_launch_configuration(config):
+    # the smallest state the launcher maps to this configuration
+    S, d = min(((s, d) for s in range(1, 33) for d in range(1, 65) if kernels._scan_config(s, d) == config),
+               key=sum)
+    inp = _state_inputs(2, 7, 1, S, d, 1.0, sum(config), masked=False, temporal=True)
+    # chunks [0, 3) [3, 6) [6]: a hole on each side of the first boundary, one at t = 0
+    inp["attention_mask"] = torch.tensor([[0, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 0, 1, 1]], dtype=torch.bool,
+                                         device=DEVICE)
+    inp["read_mode"] = "released" if config[1] == 32 else "soft"
+    with mock.patch.object(kernels, "SCAN_CHUNK", 3):
+        assert_parity(stack_scan, stack_scan_reference, inp, SCAN_GRADS, output_names=SCAN_OUTPUTS)
+
+
+def test_scan_serial_steps_at_the_goal_shape():
+    # T = 2048: 64 (chunk summaries) + 31 (combine) + 64 (expansion), against 2,048
+    # steps of the token-serial scan forward and 4,096 backward (rerun + reverse)
+    steps = kernels.scan_serial_steps(2048)
+    assert steps == {"fwd": 159, "bwd": 159}
+    assert 2048 / steps["fwd"] >= 10 and 4096 / steps["bwd"] >= 10
 
 
 def _layer_inputs(B, T, D, H, d, S, mode, seed, masked, bias, scale=1.0):
@@ -125,8 +165,12 @@ def test_temporal_decoding_with_triton_equals_full_forward():
 
 def test_unsupported_sizes_and_dtypes_raise():
     assert supports(16, 6) and supports(24, 16) and not supports(64, 16)
+    assert supports(33, 8) and supports(32, 8, "temporal") and not supports(33, 8, "temporal")
     inp, _ = _layer_inputs(1, 2, 8, 1, 16, 64, "depth", 0, False, False)
     with pytest.raises(ConfigError, match="backend='reference'"):
+        stack_memory(**inp)
+    inp, _ = _layer_inputs(1, 2, 8, 1, 8, 33, "temporal", 0, False, False)
+    with pytest.raises(ConfigError, match="at most 32 stack slots"):
         stack_memory(**inp)
     inp, _ = _layer_inputs(1, 2, 8, 1, 2, 3, "depth", 0, False, False)
     inp["x"] = inp["x"].double()
@@ -154,8 +198,8 @@ def _op_args(temporal):
     keep = torch.ones(N * 4 if temporal else N)
     leaves = [t.to(DEVICE).requires_grad_() for t in (z, p, st, m, g)]
     z, p, st, m, g = leaves
-    if temporal:
-        return (z, p, g, keep.to(DEVICE), st, m, False)
+    if temporal:   # two chunks of two tokens
+        return (z, p, g, keep.to(DEVICE), st, m, False, 2)
     return (z, p, st, m, g, keep.to(DEVICE), False)
 
 
