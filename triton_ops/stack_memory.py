@@ -19,12 +19,15 @@ coefficients that do not depend on it::
 
     X_{t+1} = A_t·X_t + a_push,t·e₀·[p_t, 1]        A_t = a_push·Down + a_pop·Up + a_noop·I
 
-(A_t tridiagonal, the identity for a dropped token). The shift is ``tl.dot(A_t, X)``
-in registers. Chunks of ``chunk`` tokens (64):
+(A_t tridiagonal, the identity for a dropped token). A_t·X is three terms per slot:
+the tile shifted by one slot each way (``tl.gather`` along the slots, warp shuffles)
+and itself, the reference's own sum; a dense ``tl.dot(A_t, X)`` would spend 16/3 of
+its multiply-adds on zeros. Chunks of ``chunk`` tokens (64):
 
     summary  per (row, chunk) in parallel: Φ_c = Π A_t (S×S) and Y_c, the chunk's
              state from zero, in one loop over its tokens.
-    carry    per row, serial over chunks: X_{c+1} = Φ_c·X_c + Y_c (T/chunk − 1 steps).
+    carry    per row, serial over chunks: X_{c+1} = Φ_c·X_c + Y_c (T/chunk − 1 steps,
+             one fp32 S×S by S×(d+1) ``tl.dot`` each).
     expand   per (row, chunk) in parallel: from the carried state, the tokens again,
              writing reads and entropies (the last chunk: the final state).
 
@@ -32,8 +35,10 @@ The backward is the reverse linear recurrence λ_t = A_tᵀ·λ_{t+1} + (read gr
 chunked the same way: a forward pass per chunk writes every state (transient) and
 the adjoint summary (Φ_c and ν_c = Σ_t Φ_{≤t}ᵀ·g_t, g_t the read gradient at X_{t+1});
 a serial pass over chunks carries λ back (λ_c = Φ_cᵀ·λ_{c+1} + ν_c); a reverse pass
-per chunk makes dpush = a_push·λ[0], dA_t = λ_{t+1}·X_tᵀ (its three bands give da),
-dlogits and dgate partials; the first chunk ends at the initial state's gradient.
+per chunk makes dpush = a_push·λ[0], da (the three bands of dA_t = λ_{t+1}·X_tᵀ, as λ
+against the shifted X_t), dlogits and dgate partials; the first chunk ends at the
+initial state's gradient. No kernel reads global memory another thread of its own
+program wrote: states cross between kernels only.
 Every product is fp32 ("ieee"): see ``docs/mechanisms/stack_memory.md`` (precision).
 
 Projections (one concatenated matmul in, one up-projection out) stay in torch.
@@ -64,8 +69,8 @@ STEP_WARPS = 4
 # The backward holds ~3x the live tiles of the forward (the gradient of the new state
 # at three slot offsets); more threads keep it under 255 registers without spills.
 STEP_BWD_WARPS = 8
-# Slots the temporal scan takes: its S×S transfer products are fp32 tl.dot on FMA
-# units, whose operands at S = 64 spill at any warp count.
+# Slots the temporal scan takes: its S×S chunk products (Φ·X, Φᵀ·λ) are fp32 tl.dot
+# on FMA units, whose operands at S = 64 spill at any warp count.
 MAX_SCAN_SLOTS = 32
 
 
@@ -87,7 +92,7 @@ def _step_rows(block_s: int, block_d: int) -> int:
 # Tokens per chunk of the temporal scan: the serial pass over chunks is T/64 − 1
 # steps, each chunk's own loops 64 (run for all chunks at once).
 SCAN_CHUNK = 64
-# tl.dot takes tiles of at least 16 in every dimension.
+# tl.dot (the chunk products) takes tiles of at least 16 in every dimension.
 SCAN_MIN_BLOCK = 16
 
 
@@ -100,8 +105,8 @@ def _scan_config(num_slots: int, head_dim: int) -> tuple[int, int, int]:
 
 
 def _scan_warps(block_s: int, block_w: int) -> int:
-    # one warp per 16×16×16 of the step's product A_t·X: fp32 tl.dot runs on FMA units
-    # with each operand's whole K extent in registers, so fewer warps spill
+    # one warp per 16×16×16 of the chunk product Φ·X: fp32 tl.dot on FMA units holds
+    # each operand's whole K extent in registers, so fewer warps spill
     return (block_s // 16) ** 2 * (block_w // 16)
 
 
@@ -367,16 +372,11 @@ def _store_tile(ptr, off, x, si, sj, S, W):
 
 
 @triton.jit
-def _transfer(a_down, a_up, a_same, si, S):
-    """S×S tile with ``a_down`` on the subdiagonal (row i takes slot i−1), ``a_up``
-    on the superdiagonal and ``a_same`` on the diagonal: A_t is
-    ``_transfer(a_push, a_pop, a_noop)``, A_tᵀ ``_transfer(a_pop, a_push, a_noop)``.
-    Rebuilt from indices every step: three loop-invariant band tiles would hold
-    registers the products need."""
-    i = si[:, None]
-    k = si[None, :]
-    band = tl.where(k == i - 1, a_down, tl.where(k == i + 1, a_up, tl.where(k == i, a_same, 0.0)))
-    return tl.where((i < S) & (k < S), band, 0.0)
+def _neighbours(si, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Row indices of slot i−1 and i+1 (clamped) as [BS, BN] tiles for ``tl.gather``
+    along the slots: the shift of a register tile by one slot."""
+    zero = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.int32)
+    return tl.maximum(si - 1, 0)[:, None] + zero, tl.minimum(si + 1, BLOCK_S - 1)[:, None] + zero
 
 
 @triton.jit
@@ -417,18 +417,25 @@ def _scan_summary_kernel(z_ptr, p_ptr, keep_ptr, phi_ptr, y_ptr, T, H, S, D, W, 
     h = r % H
     si = tl.arange(0, BLOCK_S)
     sj = tl.arange(0, BLOCK_W)
-    top = tl.where(si == 0, 1.0, 0.0)[:, None]
+    above, below = _neighbours(si, BLOCK_S, BLOCK_W)
+    above_s, below_s = _neighbours(si, BLOCK_S, BLOCK_S)
+    first = (si == 0)[:, None]
+    has_below = (si + 1 < S)[:, None]
+    inside = (si < S)[:, None]
     col_m = tl.where(sj == D, 1.0, 0.0)
     y = tl.zeros((BLOCK_S, BLOCK_W), dtype=tl.float32)
-    phi = _transfer(0.0, 0.0, 1.0, si, S)
+    phi = tl.where(inside & (si[:, None] == si[None, :]), 1.0, 0.0)
     for j in range(chunk):
         t = c * chunk + j
         tok = (b * T + t) * H + h
         a0, a1, a2, _, _, _, _, _ = _actions(z_ptr, tok * 3, tok >= 0, tl.load(keep_ptr + b * T + t))
         pushed = tl.load(p_ptr + tok * D + sj, mask=sj < D, other=0.0) + col_m     # [p, 1]
-        trans = _transfer(a0, a1, a2, si, S)
-        y = tl.dot(trans, y, input_precision="ieee") + top * (a0 * pushed)[None, :]
-        phi = tl.dot(trans, phi, input_precision="ieee")
+        y_above = tl.where(first, pushed[None, :], tl.gather(y, above, 0))
+        y_below = tl.where(has_below, tl.gather(y, below, 0), 0.0)
+        y = tl.where(inside, a0 * y_above + a1 * y_below + a2 * y, 0.0)
+        phi_above = tl.where(first, 0.0, tl.gather(phi, above_s, 0))
+        phi_below = tl.where(has_below, tl.gather(phi, below_s, 0), 0.0)
+        phi = tl.where(inside, a0 * phi_above + a1 * phi_below + a2 * phi, 0.0)
     block = r * (n_chunks - 1) + c
     _store_tile(phi_ptr, block * S * S, phi, si, si, S, S)
     _store_tile(y_ptr, block * S * W, y, si, sj, S, W)
@@ -460,7 +467,10 @@ def _scan_expand_kernel(z_ptr, p_ptr, g_ptr, keep_ptr, carry_ptr, read_ptr, ent_
     h = r % H
     si = tl.arange(0, BLOCK_S)
     sj = tl.arange(0, BLOCK_W)
-    top = tl.where(si == 0, 1.0, 0.0)[:, None]
+    above, below = _neighbours(si, BLOCK_S, BLOCK_W)
+    first = (si == 0)[:, None]
+    has_below = (si + 1 < S)[:, None]
+    inside = (si < S)[:, None]
     col_m = tl.where(sj == D, 1.0, 0.0)
     g = tl.load(g_ptr + sj, mask=sj < D, other=0.0)
     x = _tile(carry_ptr, (r * (n_chunks + 1) + c) * S * W, si, sj, S, W)
@@ -469,7 +479,9 @@ def _scan_expand_kernel(z_ptr, p_ptr, g_ptr, keep_ptr, carry_ptr, read_ptr, ent_
         tok = (b * T + t0 + j) * H + h
         a0, a1, a2, _, _, _, ent, _ = _actions(z_ptr, tok * 3, tok >= 0, tl.load(keep_ptr + b * T + t0 + j))
         pushed = tl.load(p_ptr + tok * D + sj, mask=sj < D, other=0.0) + col_m
-        x = tl.dot(_transfer(a0, a1, a2, si, S), x, input_precision="ieee") + top * (a0 * pushed)[None, :]
+        x_above = tl.where(first, pushed[None, :], tl.gather(x, above, 0))
+        x_below = tl.where(has_below, tl.gather(x, below, 0), 0.0)
+        x = tl.where(inside, a0 * x_above + a1 * x_below + a2 * x, 0.0)
         read, _, _, _ = _scan_read(x, g, col_m, si < S, released)
         tl.store(read_ptr + tok * D + sj, read, mask=sj < D)
         tl.store(ent_ptr + tok, ent)
@@ -491,26 +503,33 @@ def _scan_adjoint_summary_kernel(z_ptr, p_ptr, g_ptr, keep_ptr, dr_ptr, carry_pt
     h = r % H
     si = tl.arange(0, BLOCK_S)
     sj = tl.arange(0, BLOCK_W)
-    top = tl.where(si == 0, 1.0, 0.0)[:, None]
+    above, below = _neighbours(si, BLOCK_S, BLOCK_W)
+    above_s, below_s = _neighbours(si, BLOCK_S, BLOCK_S)
+    first = (si == 0)[:, None]
+    has_below = (si + 1 < S)[:, None]
+    inside = (si < S)[:, None]
     col_m = tl.where(sj == D, 1.0, 0.0)
     tile = si[:, None] * W + sj[None, :]
-    in_state = (si < S)[:, None] & (sj < W)[None, :]
+    in_state = inside & (sj < W)[None, :]
     g = tl.load(g_ptr + sj, mask=sj < D, other=0.0)
     x = _tile(carry_ptr, (r * (n_chunks + 1) + c) * S * W, si, sj, S, W)
-    phi = _transfer(0.0, 0.0, 1.0, si, S)
+    phi = tl.where(inside & (si[:, None] == si[None, :]), 1.0, 0.0)
     nu = tl.zeros((BLOCK_S, BLOCK_W), dtype=tl.float32)
     t0 = c * chunk
     for j in range(tl.minimum(chunk, T - t0)):
         tok = (b * T + t0 + j) * H + h
         a0, a1, a2, _, _, _, _, _ = _actions(z_ptr, tok * 3, tok >= 0, tl.load(keep_ptr + b * T + t0 + j))
         pushed = tl.load(p_ptr + tok * D + sj, mask=sj < D, other=0.0) + col_m
-        trans = _transfer(a0, a1, a2, si, S)
-        x = tl.dot(trans, x, input_precision="ieee") + top * (a0 * pushed)[None, :]
+        x_above = tl.where(first, pushed[None, :], tl.gather(x, above, 0))
+        x_below = tl.where(has_below, tl.gather(x, below, 0), 0.0)
+        x = tl.where(inside, a0 * x_above + a1 * x_below + a2 * x, 0.0)
         tl.store(hist_ptr + (r * T + t0 + j) * S * W + tile, x, mask=in_state)
         _, w, gate_score, m = _scan_read(x, g, col_m, si < S, released)
         dr = tl.load(dr_ptr + tok * D + sj, mask=sj < D, other=0.0)
         grad, _ = _scan_read_grad(x, g, dr, w, gate_score, m, col_m, released)
-        phi = tl.dot(trans, phi, input_precision="ieee")
+        phi_above = tl.where(first, 0.0, tl.gather(phi, above_s, 0))
+        phi_below = tl.where(has_below, tl.gather(phi, below_s, 0), 0.0)
+        phi = tl.where(inside, a0 * phi_above + a1 * phi_below + a2 * phi, 0.0)
         nu += tl.dot(tl.trans(phi), grad, input_precision="ieee")
     block = r * n_chunks + c
     _store_tile(phi_ptr, block * S * S, phi, si, si, S, S)
@@ -539,27 +558,28 @@ def _scan_backward_kernel(z_ptr, p_ptr, g_ptr, keep_ptr, dr_ptr, de_ptr, carry_p
                           dz_ptr, dp_ptr, dg_ptr, dinit_ptr, T, H, S, D, W, chunk, n_chunks, released,
                           BLOCK_S: tl.constexpr, BLOCK_W: tl.constexpr):
     """Program (row, chunk), tokens in reverse: λ (the gradient of the state after
-    token t) gains the read's gradient, gives dpush, dA_t = λ·X_tᵀ → da → dlogits,
-    then steps back through A_tᵀ. dgate partials at [row, c]; the first chunk
-    writes the initial state's gradient."""
+    token t) gains the read's gradient, gives dpush = a_push·λ[0] and da (λ against
+    the three slot moves of X_t, the push row on top), then steps back through A_tᵀ.
+    dgate partials at [row, c]; the first chunk writes the initial state's gradient."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1).to(tl.int64)
     b = r // H
     h = r % H
     si = tl.arange(0, BLOCK_S)
     sj = tl.arange(0, BLOCK_W)
-    top = tl.where(si == 0, 1.0, 0.0)[:, None]
+    above, below = _neighbours(si, BLOCK_S, BLOCK_W)
+    first = (si == 0)[:, None]
+    has_below = (si + 1 < S)[:, None]
+    inside = (si < S)[:, None]
     col_m = tl.where(sj == D, 1.0, 0.0)
     tile = si[:, None] * W + sj[None, :]
-    in_state = (si < S)[:, None] & (sj < W)[None, :]
+    in_state = inside & (sj < W)[None, :]
     g = tl.load(g_ptr + sj, mask=sj < D, other=0.0)
     lam = _tile(lam_ptr, (r * n_chunks + c) * S * W, si, sj, S, W)
     t0 = c * chunk
     n_tok = tl.minimum(chunk, T - t0)
     x_next = _tile(hist_ptr, (r * T + t0 + n_tok - 1) * S * W, si, sj, S, W)
     d_gate = tl.zeros((BLOCK_S, BLOCK_W), dtype=tl.float32)
-    i = si[:, None]
-    k = si[None, :]
     for j in range(n_tok):
         t = t0 + n_tok - 1 - j
         if t > t0:
@@ -573,21 +593,22 @@ def _scan_backward_kernel(z_ptr, p_ptr, g_ptr, keep_ptr, dr_ptr, de_ptr, carry_p
         grad, dscore_m = _scan_read_grad(x_next, g, dr, w, gate_score, m, col_m, released)
         d_gate += dscore_m[:, None] * x_next
         lam += grad
-        lam_top = tl.sum(top * lam, axis=0)
-        tl.store(dp_ptr + tok * D + sj, a0 * lam_top, mask=sj < D)
-        # dA_t = λ·X_tᵀ: a_push, a_pop, a_noop own its sub-, super- and main diagonal
-        d_trans = tl.dot(lam, tl.trans(x), input_precision="ieee")
+        tl.store(dp_ptr + tok * D + sj, a0 * tl.sum(tl.where(first, lam, 0.0), axis=0), mask=sj < D)
+        # da_o = Σ λ ⊙ (what move o brings into each slot): dA_t = λ·X_tᵀ on its three bands
         pushed = tl.load(p_ptr + tok * D + sj, mask=sj < D, other=0.0) + col_m
-        da0 = tl.sum(tl.where(k == i - 1, d_trans, 0.0)) + tl.sum(lam_top * pushed)
-        da1 = tl.sum(tl.where(k == i + 1, d_trans, 0.0))
-        da2 = tl.sum(tl.where(k == i, d_trans, 0.0))
+        da0 = tl.sum(lam * tl.where(first, pushed[None, :], tl.gather(x, above, 0)))
+        da1 = tl.sum(lam * tl.where(has_below, tl.gather(x, below, 0), 0.0))
+        da2 = tl.sum(lam * x)
         d_ent = tl.load(de_ptr + tok)
         dot = a0 * da0 + a1 * da1 + a2 * da2
         # softmax Jacobian plus dH/dz_o = −a_o·(log a_o + H); a dropped token's actions are constants
         tl.store(dz_ptr + tok * 3, tl.where(kept, a0 * (da0 - dot) - d_ent * a0 * (l0 + ent), 0.0))
         tl.store(dz_ptr + tok * 3 + 1, tl.where(kept, a1 * (da1 - dot) - d_ent * a1 * (l1 + ent), 0.0))
         tl.store(dz_ptr + tok * 3 + 2, tl.where(kept, a2 * (da2 - dot) - d_ent * a2 * (l2 + ent), 0.0))
-        lam = tl.dot(_transfer(a1, a0, a2, si, S), lam, input_precision="ieee")
+        # A_tᵀ·λ: slot k went to k+1 on push, to k−1 on pop
+        lam_below = tl.where(has_below, tl.gather(lam, below, 0), 0.0)
+        lam_above = tl.where(first, 0.0, tl.gather(lam, above, 0))
+        lam = tl.where(inside, a0 * lam_below + a1 * lam_above + a2 * lam, 0.0)
         x_next = x
     tl.store(dg_ptr + (r * n_chunks + c) * D + sj, tl.sum(d_gate, axis=0), mask=sj < D)
     if c == 0:

@@ -76,12 +76,12 @@ def test_scan_every_launch_configuration(config):
     # the smallest state the launcher maps to this configuration
     S, d = min(((s, d) for s in range(1, 33) for d in range(1, 65) if kernels._scan_config(s, d) == config),
                key=sum)
-    inp = _state_inputs(2, 7, 1, S, d, 1.0, sum(config), masked=False, temporal=True)
-    # chunks [0, 3) [3, 6) [6]: a hole on each side of the first boundary, one at t = 0
-    inp["attention_mask"] = torch.tensor([[0, 1, 0, 0, 1, 1, 1], [1, 1, 1, 1, 0, 1, 1]], dtype=torch.bool,
-                                         device=DEVICE)
+    inp = _state_inputs(2, 5, 1, S, d, 1.0, sum(config), masked=False, temporal=True)
+    # chunks [0, 2) [2, 4) [4]: sequence 0 drops t = 0 and the whole middle chunk,
+    # sequence 1 the last token of the first chunk and the ragged last chunk
+    inp["attention_mask"] = torch.tensor([[0, 1, 0, 0, 1], [1, 0, 1, 1, 0]], dtype=torch.bool, device=DEVICE)
     inp["read_mode"] = "released" if config[1] == 32 else "soft"
-    with mock.patch.object(kernels, "SCAN_CHUNK", 3):
+    with mock.patch.object(kernels, "SCAN_CHUNK", 2):
         assert_parity(stack_scan, stack_scan_reference, inp, SCAN_GRADS, output_names=SCAN_OUTPUTS)
 
 
