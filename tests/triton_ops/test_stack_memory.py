@@ -71,18 +71,37 @@ def _scan_configurations():
                    if c.name.startswith("stack_scan")})
 
 
-@pytest.mark.parametrize("config", _scan_configurations(), ids=lambda c: "S{}-W{}-warps{}".format(*c))
-def test_scan_every_launch_configuration(config):
-    # the smallest state the launcher maps to this configuration
-    S, d = min(((s, d) for s in range(1, 33) for d in range(1, 65) if kernels._scan_config(s, d) == config),
-               key=sum)
+@pytest.mark.parametrize("config, chunk", [(c, 2 + i % 2) for i, c in enumerate(_scan_configurations())],
+                         ids=lambda v: "S{}-W{}-warps{}".format(*v) if isinstance(v, tuple) else f"chunk{v}")
+def test_scan_every_launch_configuration(config, chunk):
+    # the fullest state the launcher maps to this configuration: the most slots, then
+    # the widest head, so the bottom slot and the mask column sit at the tile's edge
+    # where they can
+    S, d = max(((s, d) for s in range(1, 33) for d in range(1, 65)
+                if kernels.supports(s, d, "temporal") and kernels._scan_config(s, d) == config))
     inp = _state_inputs(2, 5, 1, S, d, 1.0, sum(config), masked=False, temporal=True)
-    # chunks [0, 2) [2, 4) [4]: sequence 0 drops t = 0 and the whole middle chunk,
-    # sequence 1 the last token of the first chunk and the ragged last chunk
+    # chunks of 2 ([0, 2) [2, 4) [4]) or 3 ([0, 3) [3, 5)): holes at t = 0, on both
+    # sides of every boundary, a wholly padded chunk or a padded last token
     inp["attention_mask"] = torch.tensor([[0, 1, 0, 0, 1], [1, 0, 1, 1, 0]], dtype=torch.bool, device=DEVICE)
     inp["read_mode"] = "released" if config[1] == 32 else "soft"
-    with mock.patch.object(kernels, "SCAN_CHUNK", 2):
+    with mock.patch.object(kernels, "SCAN_CHUNK", chunk):
         assert_parity(stack_scan, stack_scan_reference, inp, SCAN_GRADS, output_names=SCAN_OUTPUTS)
+
+
+def test_scan_released_read_at_a_tie():
+    # A full stack that dropped tokens leave as it is: every penalty 10⁹·(1 − M) is 0,
+    # the released read is the gate's softmax and the mask gradient is 10⁹·dscore
+    # (elsewhere dscore vanishes: one slot takes the whole read).
+    inp = _state_inputs(1, 2, 2, 5, 3, 1.0, 0, masked=False, temporal=True)
+    inp["initial_mask"] = torch.ones_like(inp["initial_mask"])
+    inp["attention_mask"] = torch.zeros(1, 2, dtype=torch.bool, device=DEVICE)
+    inp["read_mode"] = "released"
+    with mock.patch.object(kernels, "SCAN_CHUNK", 1):
+        assert_parity(stack_scan, stack_scan_reference, inp, SCAN_GRADS, output_names=SCAN_OUTPUTS)
+    mask = inp["initial_mask"].clone().requires_grad_()
+    read = stack_scan_reference(**dict(inp, initial_mask=mask))[0]
+    (d_mask,) = torch.autograd.grad(read.square().sum(), [mask])
+    assert float(d_mask.abs().max()) > 1e6      # the case really is at a tie
 
 
 def test_scan_serial_steps_at_the_goal_shape():
