@@ -504,13 +504,13 @@ class StackMemory(nn.Module):
         if resolve_backend(self.backend, x) == "triton":
             from laminae.triton_ops.stack_memory import stack_memory, supports
 
-            if self.backend == "triton" or supports(self.stack_slots, self.head_dim):
+            if self.backend == "triton" or supports(self.stack_slots, self.head_dim, self.mode):
                 return stack_memory
-            key = (self.stack_slots, self.head_dim)
+            key = (self.stack_slots, self.head_dim, self.mode)
             if key not in _warned_sizes:
                 _warned_sizes.add(key)
-                warnings.warn(f"laminae: StackMemory(stack_slots={key[0]}, head_dim={key[1]}) is beyond the "
-                              "Triton tile limit; backend='auto' runs the reference", stacklevel=3)
+                warnings.warn(f"laminae: StackMemory(stack_slots={key[0]}, head_dim={key[1]}, mode={key[2]!r}) is "
+                              "beyond the Triton tile limit; backend='auto' runs the reference", stacklevel=3)
         return stack_memory_reference
 
     def forward(
