@@ -10,14 +10,14 @@ from ._errors import BackendUnavailableError, ConfigError, DeviceError, DTypeErr
 from .affine_scaled_attention import AffineScaledAttention, AffineScaledAttentionCache, affine_scaled_attention_reference
 from .derf import DERFAttention, DERFCache, DERFContextGate, derf_attention_reference, derf_context_gate_reference
 from .elo_attention import EloAttention, EloAttentionCache, elo_attention_reference
-from .engram import (EngramCache, EngramLayerFusion, EngramModule, EngramState, MultiHeadHashLookup, TokenCompressor,
+from .engram import (EngramCache, EngramLayerFusion, EngramModule, MultiHeadHashLookup, TokenCompressor,
                      engram_fusion_gate_reference, engram_lookup_reference)
 from .hrm_refinement import HRMRefinementBlock, HRMRMSNorm, hrm_refinement_reference
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .leviathan import LeviathanGenerator, TokenIdError, leviathan_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
-from .memory_caching import MemoryCacheBranch, MemoryCacheState, MemoryCachingCache, memory_caching_reference
-from .mom_read import MoMRead, MoMReadCache, MoMReadState, mom_read_reference
+from .memory_caching import MemoryCacheBranch, MemoryCachingCache, memory_caching_reference
+from .mom_read import MoMRead, MoMReadCache, mom_read_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
                      mosrah_reference)
 from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
@@ -39,14 +39,14 @@ __all__ = [
     "AffineScaledAttention", "AffineScaledAttentionCache", "affine_scaled_attention_reference",
     "DERFAttention", "DERFCache", "DERFContextGate", "derf_attention_reference", "derf_context_gate_reference",
     "EloAttention", "EloAttentionCache", "elo_attention_reference",
-    "EngramCache", "EngramLayerFusion", "EngramModule", "EngramState", "MultiHeadHashLookup", "TokenCompressor",
+    "EngramCache", "EngramLayerFusion", "EngramModule", "MultiHeadHashLookup", "TokenCompressor",
     "engram_fusion_gate_reference", "engram_lookup_reference",
     "HRMRefinementBlock", "HRMRMSNorm", "hrm_refinement_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
     "LeviathanGenerator", "TokenIdError", "leviathan_reference",
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
-    "MemoryCacheBranch", "MemoryCacheState", "MemoryCachingCache", "memory_caching_reference",
-    "MoMRead", "MoMReadCache", "MoMReadState", "mom_read_reference",
+    "MemoryCacheBranch", "MemoryCachingCache", "memory_caching_reference",
+    "MoMRead", "MoMReadCache", "mom_read_reference",
     "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",
     "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
     "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",

@@ -71,7 +71,7 @@ class _Engram(torch.nn.Module):
 
     def forward(self, x):
         out, _, retrieved = self.module(x)
-        return out, self.fusion(x, retrieved)
+        return out, self.fusion(x, ngram=retrieved)
 
 
 class _Derf(torch.nn.Module):
@@ -110,7 +110,7 @@ CASES = [
     Case("engram", _Engram, lambda b, s: (_x(b, s),), lambda m, x: m(x)),
     Case("memory_caching", lambda be: MemoryCacheBranch(D, 2, 4, segment_len=3, gate_dim=4, backend=be),
          lambda b, s: (_x(b, s),), lambda m, x: (m(x)[0],)),
-    Case("mom_read", _mom, lambda b, s: (_x(b, s),), lambda m, x: (m(x, m.bank)[0],)),
+    Case("mom_read", _mom, lambda b, s: (_x(b, s),), lambda m, x: (m(x, M_blocks=m.bank)[0],)),
     Case("hrm_refinement", lambda be: HRMRefinementBlock(D, 8, 2, backend=be), lambda b, s: (_x(b, s),),
          lambda m, x: (m(x),)),
     Case("spelling_bee", _bee, lambda b, s: (_ids(b, s), _x(b, s)), lambda m, ids, e: (m(ids, e),)),

@@ -75,18 +75,24 @@ class TinyGPT(nn.Module):
         elif kind == "engram":
             self.engram = EngramModule(D, 8, num_heads=2, table_size=31, gate_init_bias=0.5)
 
+    def empty_cache(self, batch):
+        """The decoding cache of this model's one token-mixing block (None: the block
+        starts from cache=None)."""
+        memory = {"engram": "engram", "mom_read": "mom", "memory_caching": "memory"}.get(self.kind)
+        return getattr(self, memory).empty_cache(batch) if memory else None
+
     def forward(self, tokens, mask=None, cache=None):
         x = self.embed(tokens)
         if self.kind == "siamese_norm":
             return self.head(self.final(*self.layer(*siamese_start(x)))), None
         if self.kind == "engram":
-            read, cache, _ = self.engram(x, cache=cache, attention_mask=mask)
+            read, cache, _ = self.engram(x, mask, cache)
             x = x + read
         elif self.kind == "mom_read":
-            read, cache = self.mom(self.norm1(x), self.bank, cache=cache)
+            read, cache = self.mom(self.norm1(x), mask, cache, M_blocks=self.bank)
             x = x + read
         elif self.kind == "memory_caching":
-            read, cache = self.memory(self.norm1(x), mask, cache=cache)
+            read, cache = self.memory(self.norm1(x), mask, cache)
             x = x + read
         if self.kind in CORES or self.kind in ("affine_scaled_attention", "xsa", "laurel"):
             # (the memory blocks above are this model's only token mixing, so they decode alone)
@@ -150,7 +156,7 @@ def test_block_decodes_with_branching_under_autocast(kind, backend):
     prompt = _tokens(length=4)
     beams = {"a": torch.tensor([[3], [5]]), "b": torch.tensor([[7], [1]])}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind != "lucid_attention"):
-        _, shared = model(prompt)
+        _, shared = model(prompt, cache=model.empty_cache(B))
         seqs, decoded = [], []
         for name, token in beams.items():
             cache, seq, outs = shared, prompt, []

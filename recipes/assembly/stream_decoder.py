@@ -74,7 +74,7 @@ class AttentionSublayer(nn.Module):
     def forward(self, h: torch.Tensor, ctx: FlowContext) -> torch.Tensor:
         inp = h * self.input_scale if self.input_scale != 1.0 else h
         if self.stack is not None:
-            inp, _, ctx.stack_state = self.stack(inp, ctx.stack_state, ctx.attention_mask)
+            inp, _, ctx.stack_state = self.stack(inp, ctx.attention_mask, state=ctx.stack_state)
         # cache=None is "no history": the block (or its core: LUCID keeps v') returns its own kind
         cache = ctx.caches_in[self.layer_idx] if ctx.decoding else None
         out, cache, _ = self.attention(inp, ctx.positions, ctx.attention_mask, cache=cache)

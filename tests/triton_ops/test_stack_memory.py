@@ -157,7 +157,7 @@ def test_module_backends_agree_with_nan_padding_and_state_over_layers():
         state, h = None, x
         for layer in layers:
             layer.backend = backend
-            h, _, state = layer(h, state, keep)
+            h, _, state = layer(h, keep, state=state)
         loss = h.masked_fill(~keep[..., None], 0).square().sum() + layers[0].aux_loss(state)
         params = [p for layer in layers for p in layer.parameters()]
         results.append((h[keep], loss, torch.autograd.grad(loss, [x, *params])))
@@ -173,7 +173,7 @@ def test_temporal_decoding_with_triton_equals_full_forward():
     m = StackMemory(16, stack_d_model=8, num_mem_heads=2, stack_slots=6, mode="temporal", backend="triton").to(DEVICE)
     x = torch.randn(2, 7, 16, device=DEVICE)
     full = m(x).output
-    y, cache, _ = m(x[:, :3], cache=m.allocate_cache(2))
+    y, cache, _ = m(x[:, :3], cache=m.empty_cache(2))
     outs = [y]
     for t in range(3, 7):
         y, cache, _ = m(x[:, t:t + 1], cache=cache)
