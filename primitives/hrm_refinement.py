@@ -23,14 +23,11 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
 from ._validation import check_has_tokens, check_positive_float, check_positive_int, check_same_device, check_tensor
+from .blocks.norms import RMSNorm, rms_norm
 
-__all__ = ["hrm_refinement_reference", "HRMRefinementBlock", "HRMRMSNorm"]
+__all__ = ["hrm_refinement_reference", "HRMRefinementBlock"]
 
 _ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def hrm_refinement_reference(
@@ -66,27 +63,11 @@ def hrm_refinement_reference(
     h = anchor
     states = []
     for t in range(gate.shape[0]):
-        inp = torch.cat([_rms_norm(h, w_norm, eps), anchor], dim=-1)
+        inp = torch.cat([rms_norm(h, w_norm, eps, upcast=False), anchor], dim=-1)
         update = F.linear(F.silu(F.linear(inp, w_down)), w_up)
         h = h + gates[t].to(update.dtype) * update
         states.append(h.to(dtype))
     return torch.stack(states)
-
-
-class HRMRMSNorm(nn.Module):
-    """RMSNorm with the seed's parameter name (``weight``) and formula
-    ``x · rsqrt(mean(x²) + eps) · weight``, so seed checkpoints load as they are."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
 class HRMRefinementBlock(nn.Module):
@@ -103,7 +84,7 @@ class HRMRefinementBlock(nn.Module):
         backend: "auto" | "triton" | "reference".
 
     Parameters (seed names, so a seed state dict loads with ``strict=True``):
-    ``norm.weight`` [D] (ones), ``down.weight`` [R, 2D] (normal, std 0.02),
+    ``norm.weight`` [D] (ones; the seed's RMSNorm in the input dtype), ``down.weight`` [R, 2D] (normal, std 0.02),
     ``up.weight`` [D, R] (zeros), ``gate`` [T] (``gate_init``).
 
     Shapes: ``x`` is ``[..., D]`` (typically ``[batch, seq, D]``), fp32/bf16/fp16 (fp64
@@ -133,7 +114,7 @@ class HRMRefinementBlock(nn.Module):
                 f"freezes the block at the identity), got {gate_init!r}")
         self.hidden_size, self.refine_dim, self.steps, self.eps = hidden_size, refine_dim, steps, eps
         self.backend = backend
-        self.norm = HRMRMSNorm(hidden_size, eps)
+        self.norm = RMSNorm(hidden_size, eps, upcast=False)
         self.down = nn.Linear(2 * hidden_size, refine_dim, bias=False)
         self.up = nn.Linear(refine_dim, hidden_size, bias=False)
         self.gate = nn.Parameter(torch.full((steps,), gate_init))

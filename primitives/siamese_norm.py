@@ -48,12 +48,12 @@ from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
 from ._validation import (check_choice, check_has_tokens, check_positive_int, check_same_device, check_same_dtype,
                           check_tensor)
+from .blocks.norms import RMSNorm, rms_norm
 
 __all__ = [
     "siamese_boundary_reference",
     "siamese_start",
     "siamese_depth_constant",
-    "SiameseRMSNorm",
     "SiameseNormLayer",
     "SiameseNormFinal",
     "ATTN_X_MODES",
@@ -106,11 +106,9 @@ def check_boundary_args(
         raise ConfigError(f"`eps` must be a number >= 0, got {eps!r}")
 
 
-def _rms_norm(t: torch.Tensor, weight: torch.Tensor, eps: float, compute: torch.dtype) -> torch.Tensor:
-    """RMSNorm(t; w) = t·rsqrt(mean(t²) + eps)·w, computed in ``compute``, returned in t's dtype."""
-    tc = t.to(compute)
-    rstd = torch.rsqrt(tc.pow(2).mean(-1, keepdim=True) + eps)
-    return (tc * rstd * weight.to(compute)).to(t.dtype)
+def _rms_norm(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(t; w) = t·rsqrt(mean(t²) + eps)·w in fp32 (fp64 stays fp64), returned in t's dtype."""
+    return rms_norm(t, weight, eps, upcast=True, upcast_weight=True)
 
 
 def siamese_boundary_reference(
@@ -154,22 +152,21 @@ def siamese_boundary_reference(
     """
     check_boundary_args(x, y, update, c_inv, x_scale, x_norm_weight, y_norm_weight, in_norm_weight, eps)
     dtype = x.dtype
-    compute = torch.promote_types(dtype, torch.float32)
-    work = compute if upcast else dtype
+    work = torch.promote_types(dtype, torch.float32) if upcast else dtype
 
     x1, y1 = x.to(work), y.to(work)
     if update is not None:
         a = update.to(work)
         x1 = x1 + c_inv * a
         y1 = y1 + a
-    x2 = _rms_norm(x1, x_norm_weight, eps, compute) if x_norm_weight is not None else x1
+    x2 = _rms_norm(x1, x_norm_weight, eps) if x_norm_weight is not None else x1
 
     h = None
     if return_h:
         xs = x_scale.to(work) * x2 if x_scale is not None else x2
-        yn = _rms_norm(y1, y_norm_weight, eps, compute) if y_norm_weight is not None else y1
+        yn = _rms_norm(y1, y_norm_weight, eps) if y_norm_weight is not None else y1
         u = xs + yn
-        h = _rms_norm(u, in_norm_weight, eps, compute) if in_norm_weight is not None else u
+        h = _rms_norm(u, in_norm_weight, eps) if in_norm_weight is not None else u
         h = h.to(dtype)
     if not return_streams:
         return None, None, h
@@ -205,24 +202,11 @@ def _check_norm_type(norm_type: object) -> None:
         raise ConfigError(f"`norm_type` must be 'rmsnorm' (SiameseNorm is RMSNorm only), got {norm_type!r}")
 
 
-class SiameseRMSNorm(nn.Module):
-    """An RMSNorm weight ``[D]`` initialised to 1 (state-dict key ``<name>.weight``).
-
-    Calling it applies the reference RMSNorm in fp32; the SiameseNorm modules read
-    only its ``weight`` and fuse the normalisation into the boundary op.
-    """
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.hidden_size = check_positive_int("hidden_size", hidden_size)
-        self.eps = _check_eps(eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps, torch.promote_types(x.dtype, torch.float32))
+def _stream_norm(hidden_size: int, eps: float) -> RMSNorm:
+    """An RMSNorm weight ``[D]`` initialised to 1 (state-dict key ``<name>.weight``), computed
+    in fp32 with one rounding at the end. The SiameseNorm modules read only its ``weight``
+    and fuse the normalisation into the boundary op."""
+    return RMSNorm(hidden_size, eps, upcast=True, upcast_weight=True)
 
 
 def _boundary(backend: str, x, y, update=None, c_inv=1.0, x_scale=None, x_norm_weight=None,
@@ -361,15 +345,15 @@ class SiameseNormLayer(nn.Module):
         if attn_x_mode == "scale":
             self.attn_x_scale = nn.Parameter(torch.full((hidden_size,), float(attn_x_scale_init)))
         else:
-            self.attn_x_norm = SiameseRMSNorm(hidden_size, eps)
+            self.attn_x_norm = _stream_norm(hidden_size, eps)
         if self.use_attn_y_norm:
-            self.attn_y_norm = SiameseRMSNorm(hidden_size, eps)
+            self.attn_y_norm = _stream_norm(hidden_size, eps)
         if self.normalized_input:
-            self.attn_in_norm = SiameseRMSNorm(hidden_size, eps)
-        self.mlp_x_norm = SiameseRMSNorm(hidden_size, eps)
-        self.mlp_y_norm = SiameseRMSNorm(hidden_size, eps)
+            self.attn_in_norm = _stream_norm(hidden_size, eps)
+        self.mlp_x_norm = _stream_norm(hidden_size, eps)
+        self.mlp_y_norm = _stream_norm(hidden_size, eps)
         if self.normalized_input:
-            self.mlp_in_norm = SiameseRMSNorm(hidden_size, eps)
+            self.mlp_in_norm = _stream_norm(hidden_size, eps)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, layer_idx={self.layer_idx}, depth_scale={self.depth_scale:.6g}, "
@@ -430,9 +414,9 @@ class SiameseNormFinal(nn.Module):
         _check_norm_type(norm_type)
         check_backend(backend)
         self.hidden_size, self.eps, self.backend = hidden_size, _check_eps(eps), backend
-        self.final_x_norm = SiameseRMSNorm(hidden_size, eps)
-        self.final_y_norm = SiameseRMSNorm(hidden_size, eps)
-        self.final_norm = SiameseRMSNorm(hidden_size, eps)
+        self.final_x_norm = _stream_norm(hidden_size, eps)
+        self.final_y_norm = _stream_norm(hidden_size, eps)
+        self.final_norm = _stream_norm(hidden_size, eps)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.eps}, backend={self.backend!r}"
