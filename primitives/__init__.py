@@ -12,7 +12,7 @@ from .derf import DERFAttention, DERFCache, DERFContextGate, derf_attention_refe
 from .elo_attention import EloAttention, EloAttentionCache, elo_attention_reference
 from .engram import (EngramCache, EngramLayerFusion, EngramModule, EngramState, MultiHeadHashLookup, TokenCompressor,
                      engram_fusion_gate_reference, engram_lookup_reference)
-from .hrm_refinement import HRMRefinementBlock, hrm_refinement_reference
+from .hrm_refinement import HRMRefinementBlock, HRMRefinementOutput, hrm_refinement_reference
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .leviathan import LeviathanGenerator, TokenIdError, leviathan_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
@@ -41,7 +41,7 @@ __all__ = [
     "EloAttention", "EloAttentionCache", "elo_attention_reference",
     "EngramCache", "EngramLayerFusion", "EngramModule", "EngramState", "MultiHeadHashLookup", "TokenCompressor",
     "engram_fusion_gate_reference", "engram_lookup_reference",
-    "HRMRefinementBlock", "hrm_refinement_reference",
+    "HRMRefinementBlock", "HRMRefinementOutput", "hrm_refinement_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
     "LeviathanGenerator", "TokenIdError", "leviathan_reference",
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",

@@ -112,7 +112,7 @@ CASES = [
          lambda b, s: (_x(b, s),), lambda m, x: (m(x)[0],)),
     Case("mom_read", _mom, lambda b, s: (_x(b, s),), lambda m, x: (m(x, m.bank)[0],)),
     Case("hrm_refinement", lambda be: HRMRefinementBlock(D, 8, 2, backend=be), lambda b, s: (_x(b, s),),
-         lambda m, x: (m(x),)),
+         lambda m, x: (m(x).output,)),
     Case("spelling_bee", _bee, lambda b, s: (_ids(b, s), _x(b, s)), lambda m, ids, e: (m(ids, e),)),
     Case("leviathan", lambda be: LeviathanGenerator(vocab_size=VOCAB, hidden_size=D, seed_dim=8, num_modes=2,
                                                     num_knots=4, rank=4, backend=be),
