@@ -21,7 +21,7 @@ from .mom_read import MoMRead, MoMReadCache, MoMReadState, mom_read_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
                      mosrah_reference)
 from .shared_matrix import ElasticTiers, Readout, SharedMatrix, extract_tier, save_subnetwork, shared_matrix_reference
-from .siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_boundary_reference, siamese_start
+from .siamese_norm import SiameseNormFinal, SiameseNormLayer, SiameseStreams, siamese_boundary_reference, siamese_start
 from .spelling_bee import SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference
 from .stack_memory import (StackMemory, StackMemoryCache, StackMemoryOutput, StackMemoryState, stack_memory_reference,
                            stack_scan_reference, stack_step_reference)
@@ -49,7 +49,7 @@ __all__ = [
     "MoMRead", "MoMReadCache", "MoMReadState", "mom_read_reference",
     "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",
     "ElasticTiers", "Readout", "SharedMatrix", "extract_tier", "save_subnetwork", "shared_matrix_reference",
-    "SiameseNormFinal", "SiameseNormLayer", "siamese_boundary_reference", "siamese_start",
+    "SiameseNormFinal", "SiameseNormLayer", "SiameseStreams", "siamese_boundary_reference", "siamese_start",
     "SpellingBeeEmbedding", "byte_table_from_strings", "spelling_bee_reference",
     "StackMemory", "StackMemoryCache", "StackMemoryOutput", "StackMemoryState", "stack_memory_reference",
     "stack_scan_reference", "stack_step_reference",

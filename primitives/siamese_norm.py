@@ -39,21 +39,22 @@ shared sublayer input ``h`` (wrap the attention callable so it sees ``h`` first)
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import (check_choice, check_has_tokens, check_positive_int, check_same_device, check_same_dtype,
-                          check_tensor)
+from ._validation import (autocast_active, check_choice, check_has_tokens, check_positive_int, check_same_device,
+                          check_same_dtype, check_tensor, without_autocast)
 from .blocks.norms import RMSNorm, rms_norm
 
 __all__ = [
     "siamese_boundary_reference",
     "siamese_start",
     "siamese_depth_constant",
+    "SiameseStreams",
     "SiameseNormLayer",
     "SiameseNormFinal",
     "ATTN_X_MODES",
@@ -61,6 +62,14 @@ __all__ = [
 
 ATTN_X_MODES = ("scale", "postnorm")
 NORM_TYPES = ("rmsnorm",)
+
+
+class SiameseStreams(NamedTuple):
+    """What a :class:`SiameseNormLayer` returns: both residual streams, each ``[..., D]``
+    (the one block whose outputs are two activations, so neither field is a cache)."""
+
+    x: torch.Tensor   # the bounded (Post-Norm-like) stream X
+    y: torch.Tensor   # the unbounded (Pre-Norm-like) stream Y
 
 
 # ----------------------------------------------------------------------------
@@ -173,10 +182,10 @@ def siamese_boundary_reference(
     return x2.to(dtype), y1.to(dtype), h
 
 
-def siamese_start(embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def siamese_start(embeddings: torch.Tensor) -> SiameseStreams:
     """The two streams at the first layer: ``X₀ = Y₀ = e`` (the embedding output)."""
     check_tensor("embeddings", embeddings)
-    return embeddings, embeddings
+    return SiameseStreams(embeddings, embeddings)
 
 
 def siamese_depth_constant(layer_idx: int, depth_scaling: bool = True) -> float:
@@ -217,8 +226,9 @@ def _boundary(backend: str, x, y, update=None, c_inv=1.0, x_scale=None, x_norm_w
         fn = siamese_boundary
     else:
         fn = siamese_boundary_reference
-    return fn(x, y, update, c_inv, x_scale, x_norm_weight, y_norm_weight, in_norm_weight, eps,
-              return_streams=return_streams, return_h=return_h)
+    with without_autocast(x.device.type):
+        return fn(x, y, update, c_inv, x_scale, x_norm_weight, y_norm_weight, in_norm_weight, eps,
+                  return_streams=return_streams, return_h=return_h)
 
 
 def _check_streams(module: nn.Module, hidden_size: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -240,7 +250,7 @@ def _check_branch(name: str, out: object, h: torch.Tensor) -> torch.Tensor:
         raise ShapeError(
             f"the {name} sublayer must return its input's shape {tuple(h.shape)}, got {tuple(out.shape)}"
         )
-    if out.dtype != h.dtype and torch.is_autocast_enabled(h.device.type):
+    if out.dtype != h.dtype and autocast_active(h.device.type):
         # the cast policy: under autocast a sublayer returns the autocast dtype; the
         # streams keep theirs (the residual stream's precision is the point of fp32 streams)
         return out.to(h.dtype)
@@ -288,8 +298,11 @@ class SiameseNormLayer(nn.Module):
     normalized_input); plus the wrapped sublayers' own parameters.
 
     Shapes: ``x``, ``y`` are ``[batch, seq, D]`` (any leading dims), one float dtype;
-    each sublayer must return ``h``'s shape and dtype (under autocast, cast its
-    output back to the streams' dtype or keep the streams in the autocast dtype).
+    each sublayer must return ``h``'s shape and dtype (under autocast its output is
+    cast back to the streams' dtype: the streams keep their precision).
+
+    Returns :class:`SiameseStreams` ``(x, y)``, the two updated streams (both are
+    outputs: the next layer reads both).
 
     SiameseNorm owns the residual flow: do not combine it with LAuReL or AttnRes in
     one model. StackMemory may act on the sublayer input ``h`` (wrap ``attention``).
@@ -300,7 +313,7 @@ class SiameseNormLayer(nn.Module):
         final = SiameseNormFinal(512)
         x, y = siamese_start(embed(tokens))
         for layer in layers:
-            x, y = layer(x, y, attn_kwargs={"keep_mask": mask})
+            x, y = layer(x, y, attn_kwargs={"attention_mask": mask})
         logits = lm_head(final(x, y))
     """
 
@@ -368,11 +381,12 @@ class SiameseNormLayer(nn.Module):
         self,
         x: torch.Tensor,
         y: torch.Tensor,
+        *,
         attn_kwargs: dict | None = None,
         mlp_kwargs: dict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> SiameseStreams:
         """``x``, ``y``: the streams ``[..., D]``; the kwargs go to the sublayer calls
-        (e.g. a keep mask). Returns the new ``(x, y)``."""
+        (e.g. an ``attention_mask``). Returns the new streams, ``SiameseStreams(x, y)``."""
         _check_streams(self, self.hidden_size, x, y)
         c_inv = 1.0 / self.depth_scale
         # attention boundary: u = s ⊙ X (or X ← RMSNorm(X)) + RMSNorm(Y); h = RMSNorm(u)
@@ -396,7 +410,7 @@ class SiameseNormLayer(nn.Module):
         m = self.dropout(_check_branch("mlp", self.mlp(h, **(mlp_kwargs or {})), h))
         # end of layer: X += m/c, Y += m
         x, y, _ = _boundary(self.backend, x, y, m, c_inv, eps=self.eps, return_h=False)
-        return x, y
+        return SiameseStreams(x, y)
 
 
 class SiameseNormFinal(nn.Module):
