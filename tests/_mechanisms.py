@@ -98,7 +98,7 @@ def _mom(backend):
 
 CASES = [
     Case("laurel", lambda be: LAuReL(D, use_rw=True, use_lr=True, lr_rank=4, backend=be),
-         lambda b, s: (_x(b, s), _x(b, s, seed=1)), lambda m, f, x: (m(f, x),)),
+         lambda b, s: (_x(b, s), _x(b, s, seed=1)), lambda m, x, f: (m(x, sublayer_output=f),)),
     Case("siamese_norm", _Siamese, lambda b, s: (_x(b, s),), lambda m, x: (m(x),)),
     Case("derf", _Derf, lambda b, s: (*_qkv(b, s), _x(b, s)), lambda m, *a: m(*a)),
     Case("xsa", lambda be: ExclusiveSelfAttention(H, HKV, HD, backend=be), lambda b, s: _qkv(b, s)[::2],

@@ -301,7 +301,7 @@ def test_float64_laurel_reference_computes_in_float64():
     f, x = torch.randn(3, 4, dtype=torch.float64, generator=g), torch.randn(3, 4, dtype=torch.float64, generator=g)
     a, b = torch.tensor(0.3, dtype=torch.float64), torch.tensor(-1.1, dtype=torch.float64)
     w = torch.softmax(torch.stack([a, b]), 0)
-    assert (laurel_reference(f, x, a, b) - (w[0] * f + w[1] * x)).abs().max() < 1e-15
+    assert (laurel_reference(x, a, b, sublayer_output=f) - (w[0] * f + w[1] * x)).abs().max() < 1e-15
 
 
 def test_dtype_mismatch_with_module_parameters_is_a_named_error():

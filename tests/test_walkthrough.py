@@ -93,7 +93,7 @@ class TinyGPT(nn.Module):
             a, cache = self.attn(self.norm1(x), mask, cache=cache)
             x = x + a
         m = self.mlp(self.norm2(x))
-        x = self.residual(m, x) if self.kind == "laurel" else x + m
+        x = self.residual(x, sublayer_output=m) if self.kind == "laurel" else x + m
         return self.head(x), cache
 
 
