@@ -287,7 +287,8 @@ def test_newer_mechanisms_run_under_cpu_autocast(backend):
     ids = torch.randint(0, 8, (2, 3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = torch.nn.functional.linear(x, torch.eye(HIDDEN))        # a bf16 activation, as autocast makes
-        outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h).output, blocks["spelling_bee"](ids, h),
+        outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h).output,
+                blocks["spelling_bee"](ids, token_embeddings=h),
                 blocks["stack_memory"](h)[0], blocks["leviathan"](ids), blocks["mosrah"](h).output]
     for out in outs:
         assert torch.isfinite(out.float()).all()

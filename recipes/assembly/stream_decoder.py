@@ -3,7 +3,7 @@ one pre-norm stream with optional LAuReL residual weights, and StackMemory on th
 attention-branch input.
 
     ids → token embedding (nn.Embedding or a generator such as Leviathan)
-        → [Spelling Bee]                                   e = bee(ids, e)
+        → [Spelling Bee]                                   e = bee(ids, token_embeddings=e)
     two streams:  X = Y = e;  (X, Y) ← SiameseNormLayer(X, Y)   per layer;  z = SiameseNormFinal(X, Y)
     one stream:   x = e;      x ← PreNormLayer(x)                per layer;  z = norm(x)
 
@@ -179,7 +179,7 @@ class StreamDecoderModel(nn.Module):
         embed = getattr(self, self.embed_name)
         x = embed(ids) if isinstance(embed, nn.Embedding) else embed(ids, attention_mask)
         if hasattr(self, "spelling_bee"):
-            x = self.spelling_bee(ids, x)
+            x = self.spelling_bee(ids, token_embeddings=x)
         return x
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
