@@ -6,7 +6,7 @@ of ``backend="triton"`` (or "auto" on CUDA)."""
 from ._backend import BACKENDS, resolve_backend, set_backend, use_backend
 from ._cache import AppendBuffer, DecodingCache, KVCache
 from ._outputs import BlockOutput
-from ._errors import BackendUnavailableError, ConfigError, DeviceError, DTypeError, ShapeError
+from ._errors import BackendUnavailableError, ConfigError, DeviceError, DTypeError, ShapeError, TokenIdError
 from .affine_scaled_attention import AffineScaledAttention, AffineScaledAttentionCache, affine_scaled_attention_reference
 from .derf import DERFAttention, DERFCache, DERFContextGate, derf_attention_reference, derf_context_gate_reference
 from .elo_attention import EloAttention, EloAttentionCache, elo_attention_reference
@@ -14,7 +14,7 @@ from .engram import (EngramCache, EngramLayerFusion, EngramModule, EngramState, 
                      engram_fusion_gate_reference, engram_lookup_reference)
 from .hrm_refinement import HRMRefinementBlock, HRMRefinementOutput, hrm_refinement_reference
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
-from .leviathan import LeviathanGenerator, TokenIdError, leviathan_reference
+from .leviathan import LeviathanGenerator, leviathan_reference
 from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, MemoryCachingCache, memory_caching_reference
 from .mom_read import MoMRead, MoMReadCache, MoMReadState, mom_read_reference
@@ -35,7 +35,7 @@ from .blocks import (AttentionOutput, GroupedQueryAttention, GroupedSwiGLU, HCOu
 __all__ = [
     "BACKENDS", "resolve_backend", "set_backend", "use_backend",
     "AppendBuffer", "BlockOutput", "DecodingCache", "KVCache",
-    "BackendUnavailableError", "ConfigError", "DeviceError", "DTypeError", "ShapeError",
+    "BackendUnavailableError", "ConfigError", "DeviceError", "DTypeError", "ShapeError", "TokenIdError",
     "AffineScaledAttention", "AffineScaledAttentionCache", "affine_scaled_attention_reference",
     "DERFAttention", "DERFCache", "DERFContextGate", "derf_attention_reference", "derf_context_gate_reference",
     "EloAttention", "EloAttentionCache", "elo_attention_reference",
@@ -43,7 +43,7 @@ __all__ = [
     "engram_fusion_gate_reference", "engram_lookup_reference",
     "HRMRefinementBlock", "HRMRefinementOutput", "hrm_refinement_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
-    "LeviathanGenerator", "TokenIdError", "leviathan_reference",
+    "LeviathanGenerator", "leviathan_reference",
     "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "MemoryCachingCache", "memory_caching_reference",
     "MoMRead", "MoMReadCache", "MoMReadState", "mom_read_reference",
