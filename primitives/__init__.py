@@ -31,6 +31,7 @@ from .blocks import (AttentionOutput, GroupedQueryAttention, GroupedSwiGLU, HCOu
                      RotaryEmbedding, SlidingWindowAttention, SlidingWindowCache, SparseMoE, SwiGLU, abstention_loss,
                      apply_rotary, cross_entropy, expand_streams, rms_norm, rope_inv_freq, sdpa_core, shift_labels,
                      z_loss)
+from .blocks.moe import MoEOutput
 
 __all__ = [
     "BACKENDS", "resolve_backend", "set_backend", "use_backend",
@@ -58,7 +59,7 @@ __all__ = [
     "AttentionOutput", "GroupedQueryAttention", "sdpa_core",
     "HCOutputMix", "HyperConnection", "expand_streams",
     "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
-    "GroupedSwiGLU", "SparseMoE",
+    "GroupedSwiGLU", "MoEOutput", "SparseMoE",
     "RMSNorm", "rms_norm",
     "RotaryEmbedding", "apply_rotary", "rope_inv_freq",
     "SlidingWindowAttention", "SlidingWindowCache",

@@ -78,7 +78,7 @@ def _call_attention(module, h, ctx, state):
 
 
 def _call_moe(module, h, ctx, state):
-    out, aux = module(h, ctx.positions)
+    out, aux = module(h, position_ids=ctx.positions)
     if aux is not None:
         ctx.aux_losses.append(aux)
     return out, None
