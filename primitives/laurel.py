@@ -164,8 +164,10 @@ class LAuReL(nn.Module):
         # runs only when asked for (check_finite=True), on CPU always.
         check = self.check_finite if self.check_finite is not None else params[0] is not None and params[0].device.type == "cpu"
         if self.use_rw and check and not torch.compiler.is_compiling():
-            if not bool(torch.isfinite(torch.stack([params[0], params[1]])).all()):
-                raise ValueError("LAuReL `alpha_logit`/`beta_logit` are not finite")
+            logits = torch.stack([params[0], params[1]]).detach()
+            if not bool(torch.isfinite(logits).all()):
+                raise ConfigError(f"LAuReL `alpha_logit`/`beta_logit` must be finite, got {logits.tolist()} "
+                                  "(a diverged step; check_finite=False skips this check)")
         with without_autocast(f.device.type):
             if resolve_backend(self.backend, x, f) == "triton":
                 from laminae.triton_ops.laurel import laurel

@@ -153,5 +153,5 @@ def test_bad_inputs_raise():
         m(torch.randn(16), sublayer_output=[1.0] * 16)
     with torch.no_grad():
         m.alpha_logit.fill_(float("inf"))
-    with pytest.raises(ValueError, match="not finite"):
+    with pytest.raises(ConfigError, match="must be finite, got \\[inf, 0.0\\]"):
         m(torch.randn(2, 16), sublayer_output=torch.randn(2, 16))
