@@ -47,6 +47,7 @@ from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DTypeError, ShapeError
 from ._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_param_dtype, check_positive_int,
                           check_same_device, check_tensor, match_activation_dtypes, zero_padding)
+from .blocks.norms import RMSNorm, rms_norm
 
 __all__ = [
     "engram_hash_bits",
@@ -314,10 +315,6 @@ def engram_next_prefix(prefix: torch.Tensor | None, compressed: torch.Tensor, ma
     return full[:, start:, :].detach()
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
 def engram_fusion_gate_reference(
     hidden_low: torch.Tensor,
     key_low: torch.Tensor,
@@ -344,8 +341,8 @@ def engram_fusion_gate_reference(
     dtype = value.dtype
     compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
     fusion_dim = value.shape[-1]
-    h = _rms_norm(hidden_low.to(compute), hidden_norm_weight.to(compute), eps)
-    k = _rms_norm(key_low.to(compute), ngram_norm_weight.to(compute), eps)
+    h = rms_norm(hidden_low.to(compute), hidden_norm_weight.to(compute), eps, upcast=False)
+    k = rms_norm(key_low.to(compute), ngram_norm_weight.to(compute), eps, upcast=False)
     a = (h * k).sum(-1, keepdim=True) / math.sqrt(fusion_dim)
     # Signed square root: compresses the agreement's range before the sigmoid.
     gate = torch.sigmoid(a.abs().clamp_min(GATE_FLOOR).sqrt() * torch.sign(a))
@@ -705,18 +702,6 @@ class EngramModule(nn.Module):
         return EngramOutput(out, None if cache is None else cache.advance(compressed, self.max_ngram, keep), retrieved)
 
 
-class _RMSNorm(nn.Module):
-    """``x·rsqrt(mean(x²) + eps)·weight`` (holds the seed's ``weight``)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
-
-
 class EngramLayerFusion(nn.Module):
     """Mid-stack re-injection of the Engram read, gated by hidden/n-gram agreement.
 
@@ -753,8 +738,8 @@ class EngramLayerFusion(nn.Module):
         self.key_proj = nn.Linear(hidden_size, fusion_dim, bias=False)
         self.value_proj = nn.Linear(hidden_size, fusion_dim, bias=False)
         self.out_proj = nn.Linear(fusion_dim, hidden_size, bias=False)
-        self.hidden_norm = _RMSNorm(fusion_dim, eps)
-        self.ngram_norm = _RMSNorm(fusion_dim, eps)
+        self.hidden_norm = RMSNorm(fusion_dim, eps, upcast=False)
+        self.ngram_norm = RMSNorm(fusion_dim, eps, upcast=False)
         for m in (self.hidden_down, self.key_proj, self.value_proj):
             nn.init.normal_(m.weight, std=0.02)
         nn.init.zeros_(self.out_proj.weight)

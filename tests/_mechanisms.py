@@ -98,7 +98,7 @@ def _mom(backend):
 
 CASES = [
     Case("laurel", lambda be: LAuReL(D, use_rw=True, use_lr=True, lr_rank=4, backend=be),
-         lambda b, s: (_x(b, s), _x(b, s, seed=1)), lambda m, f, x: (m(f, x),)),
+         lambda b, s: (_x(b, s), _x(b, s, seed=1)), lambda m, x, f: (m(x, sublayer_output=f),)),
     Case("siamese_norm", _Siamese, lambda b, s: (_x(b, s),), lambda m, x: (m(x),)),
     Case("derf", _Derf, lambda b, s: (*_qkv(b, s), _x(b, s)), lambda m, *a: m(*a)),
     Case("xsa", lambda be: ExclusiveSelfAttention(H, HKV, HD, backend=be), lambda b, s: _qkv(b, s)[::2],
@@ -112,8 +112,9 @@ CASES = [
          lambda b, s: (_x(b, s),), lambda m, x: (m(x)[0],)),
     Case("mom_read", _mom, lambda b, s: (_x(b, s),), lambda m, x: (m(x, M_blocks=m.bank)[0],)),
     Case("hrm_refinement", lambda be: HRMRefinementBlock(D, 8, 2, backend=be), lambda b, s: (_x(b, s),),
-         lambda m, x: (m(x),)),
-    Case("spelling_bee", _bee, lambda b, s: (_ids(b, s), _x(b, s)), lambda m, ids, e: (m(ids, e),)),
+         lambda m, x: (m(x).output,)),
+    Case("spelling_bee", _bee, lambda b, s: (_ids(b, s), _x(b, s)),
+         lambda m, ids, e: (m(ids, token_embeddings=e),)),
     Case("leviathan", lambda be: LeviathanGenerator(vocab_size=VOCAB, hidden_size=D, seed_dim=8, num_modes=2,
                                                     num_knots=4, rank=4, backend=be),
          lambda b, s: (_ids(b, s),), lambda m, ids: (m(ids),)),

@@ -316,7 +316,8 @@ def test_newer_mechanisms_run_under_cpu_autocast(backend):
     ids = torch.randint(0, 8, (2, 3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = torch.nn.functional.linear(x, torch.eye(HIDDEN))        # a bf16 activation, as autocast makes
-        outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h), blocks["spelling_bee"](ids, h),
+        outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h).output,
+                blocks["spelling_bee"](ids, token_embeddings=h),
                 blocks["stack_memory"](h)[0], blocks["leviathan"](ids), blocks["mosrah"](h).output]
     for out in outs:
         assert torch.isfinite(out.float()).all()
@@ -330,7 +331,7 @@ def test_float64_laurel_reference_computes_in_float64():
     f, x = torch.randn(3, 4, dtype=torch.float64, generator=g), torch.randn(3, 4, dtype=torch.float64, generator=g)
     a, b = torch.tensor(0.3, dtype=torch.float64), torch.tensor(-1.1, dtype=torch.float64)
     w = torch.softmax(torch.stack([a, b]), 0)
-    assert (laurel_reference(f, x, a, b) - (w[0] * f + w[1] * x)).abs().max() < 1e-15
+    assert (laurel_reference(x, a, b, sublayer_output=f) - (w[0] * f + w[1] * x)).abs().max() < 1e-15
 
 
 def test_dtype_mismatch_with_module_parameters_is_a_named_error():

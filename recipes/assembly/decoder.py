@@ -78,7 +78,7 @@ def _call_attention(module, h, ctx, state):
 
 
 def _call_moe(module, h, ctx, state):
-    out, aux = module(h, ctx.positions)
+    out, aux = module(h, position_ids=ctx.positions)
     if aux is not None:
         ctx.aux_losses.append(aux)
     return out, None
@@ -280,7 +280,7 @@ class DecoderModel(nn.Module):
             shares the raw read as ``ctx.shared["ngram"]`` (decoding starts from its
             ``empty_cache``).
         value_embedding: share the token embedding as ``ctx.shared["token_embed"]``.
-        refiner: ``(name, module)`` called as ``module(x, return_all=...)`` before the
+        refiner: ``(name, module)`` called as ``output, states = module(x)`` before the
             final norm (HRM refinement); ``deep_supervision`` keeps its states in training.
         shared: model-level parameters handed to every branch by name (Naylis' bank).
         max_positions: the context (cached + new tokens); longer inputs raise ShapeError
@@ -381,12 +381,9 @@ class DecoderModel(nn.Module):
             x = self.hc_out_mix(x)
         refine_states = None
         if self.refiner is not None:
-            refiner = getattr(self, self.refiner)
+            x, states = getattr(self, self.refiner)(x)
             if self.deep_supervision and self.training:
-                x, states = refiner(x, return_all=True)
                 refine_states = [self.norm(s) for s in states]
-            else:
-                x = refiner(x)
         new_cache = None
         if cache is not None:
             new_cache = DecoderCache(past + S, tuple(new_slots), input_state, self.signature)
