@@ -1,11 +1,18 @@
-"""A correction to Triton's CPU interpreter, applied only when kernels are interpreted.
+"""Corrections to Triton's CPU interpreter, applied only when kernels are interpreted.
 
-Triton 3.6's interpreter stores bfloat16 tensors as their raw uint16 bits and hands
-those integers to ``np.matmul`` in ``tl.dot``: a bf16 product comes out as a product of
-bit patterns (errors of 1e10 on a 16×16 tile), while fp16 and fp32 dots are exact.
-Compiled kernels are unaffected. The fix widens bf16 operands to the fp32 values they
-encode (exact: bf16 is the top half of an fp32), which is what the tensor cores
-multiply with fp32 accumulation, so bf16 kernels can be checked on CPU like the others.
+Triton 3.6's interpreter stores bfloat16 tensors as their raw uint16 bits, and
+
+- hands those integers to ``np.matmul`` in ``tl.dot``: a bf16 product comes out as a
+  product of bit patterns (errors of 1e10 on a 16×16 tile), while fp16 and fp32 dots
+  are exact. The fix widens bf16 operands to the fp32 values they encode (exact: bf16
+  is the top half of an fp32), which is what the tensor cores multiply with fp32
+  accumulation;
+- casts fp32 to bf16 by dropping the low 16 bits (rounding toward zero), where the
+  GPU's ``cvt.rn.bf16.f32`` rounds to nearest even: every bf16 store and every bf16
+  dot operand was up to one ulp off instead of half. The fix rounds to nearest even.
+
+Compiled kernels are unaffected. With both, bf16 kernels can be checked on CPU like the
+others.
 """
 from __future__ import annotations
 
@@ -18,24 +25,41 @@ def _bf16_bits_as_fp32(data: np.ndarray) -> np.ndarray:
     return (data.astype(np.uint32) << 16).view(np.float32)
 
 
-def patch_interpreter_bf16_dot() -> None:
-    """Make the interpreter's ``tl.dot`` read bf16 operands as numbers (idempotent)."""
+def _fp32_as_bf16_bits(data: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns of fp32 values, rounded to nearest even (NaN stays a quiet NaN)."""
+    bits = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    quiet_nan = (bits >> 16) | 0x40
+    return np.where(np.isnan(data), quiet_nan, rounded).astype(np.uint16)
+
+
+def patch_interpreter_bf16() -> None:
+    """Make the interpreter's ``tl.dot`` read bf16 operands as numbers and its fp32 →
+    bf16 casts round to nearest even (idempotent)."""
     global _PATCHED
     if _PATCHED:
         return
     import triton.language as tl
     from triton.runtime import interpreter
+    from triton.runtime.interpreter import TensorHandle
 
     builder = interpreter.InterpreterBuilder
-    original = builder.create_dot
+    original_dot = builder.create_dot
+    original_cast = builder.cast_impl
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
         if a.dtype.scalar == tl.bfloat16 or b.dtype.scalar == tl.bfloat16:
             a = _widen(a, tl)
             b = _widen(b, tl)
-        return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        return original_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return TensorHandle(_fp32_as_bf16_bits(src.data), tl.bfloat16)
+        return original_cast(self, src, dst_type)
 
     builder.create_dot = create_dot
+    builder.cast_impl = cast_impl
     _PATCHED = True
 
 

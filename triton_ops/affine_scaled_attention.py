@@ -85,8 +85,11 @@ def _affine_bwd_rows_kernel(g_ptr, of_ptr, vbar_ptr, alpha_ptr, ama_ptr,
     of = tl.load(of_ptr + offs, mask=mask, other=0.0)
     vbar = tl.load(vbar_ptr + kv_rows[:, None] * D + cols[None, :], mask=mask, other=0.0)
     a = tl.load(alpha_ptr + rows, mask=row_ok, other=0.0)
-    gs = g * a[:, None]
-    tl.store(gs_ptr + offs, gs.to(gs_ptr.dtype.element_ty), mask=mask)
+    # g′ as the flash backward reads it (rounded to the input dtype), and δ from that
+    # same g′: dO·v − δ is then 0 where the truth makes it 0 (a row that sees one key)
+    gs = (g * a[:, None]).to(gs_ptr.dtype.element_ty)
+    tl.store(gs_ptr + offs, gs, mask=mask)
+    gs = gs.to(tl.float32)
     # δ in the [B, H, S] layout of the flash backward
     b = bs // S
     s = bs % S

@@ -5,7 +5,10 @@ Attention (flash-style: no [S, N] matrix is ever stored; extra memory is O(S)):
 Forward   grid (query blocks, B·H). Each program walks the key blocks up to its
           causal limit: s = q·kᵀ·scale, w = γ·(erf(α·s + b) + 1)/2 where visible,
           acc += w·v, den += Σw; writes out = acc/(den + 1e-8) and den (fp32).
-Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i:
+          16-bit inputs: the P·V operand is w over the row's running max |w|, rounded,
+          and den sums the same rounded weights (a lone key's out is exactly its v);
+          the fp32 out is written as well, for δ.
+Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i (fp32 out):
             dw_ij = (dout_i·v_j − delta_i)·rden_i
             dz_ij = dw_ij·γ/√π·exp(−z_ij²)          z = α·s + b, zero where masked
           dK/dV kernel, grid (key blocks, B·H_kv): for every query head of the kv
@@ -13,9 +16,9 @@ Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i:
             dv_j += Σ_i w_ij·rden_i·dout_i,   dk_j += Σ_i α·dz_ij·q_i·scale.
           delta_i by a row kernel (one read of dout and out); rden in the kernels.
           dQ kernel, grid (query blocks, B·H): dq_i = Σ_j α·dz_ij·k_j·scale, plus
-          per-program partial sums Σ dz·s, Σ dz, Σ dw·(erf+1)/2 for dα, db, dγ
-          (reduced in torch; they sit here rather than in the dK/dV kernel, whose
-          two [BLOCK_N, D] accumulators already fill the registers).
+          per-program partial sums Σ dz·s, Σ dz for dα, db and Σ_i δ_i·rden_i·1e-8/γ
+          for dγ (reduced in torch; they sit here rather than in the dK/dV kernel,
+          whose two [BLOCK_N, D] accumulators already fill the registers).
           Both recompute s and w through the same tile helpers; nothing is
           written twice, so no atomics.
 
@@ -57,13 +60,14 @@ _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 # (BLOCK_M for the forward and dQ, BLOCK_N for dK/dV), so ptxas emits wgmma (HGMMA);
 # dK/dV at 128 takes 8 warps (two warpgroups split the [64, 128] dk/dv accumulators)
 # to stay spill-free. At head dim 256 every wgmma tiling tried spills (the fp32
-# accumulators alone fill the registers), so those tiles stay on mma.sync. Every
-# entry is compiled for sm_90 by the static check (no spills, shared <= 227 KB).
+# accumulators alone fill the registers), so those tiles stay on mma.sync; the 16-bit
+# forward there walks keys 16 at a time (32 spills next to the running-max rescale).
+# Every entry is compiled for sm_90 by the static check (no spills, shared <= 227 KB).
 TILES = {
     ("fwd", "fp32"): {16: (32, 32, 4, 2), 32: (32, 32, 4, 2), 64: (32, 32, 4, 2), 128: (32, 32, 4, 2),
                       256: (32, 16, 4, 2)},
     ("fwd", "16bit"): {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 32, 4, 2),
-                       256: (64, 32, 8, 2)},
+                       256: (64, 16, 8, 2)},
     ("dkdv", "fp32"): {16: (32, 32, 4, 2), 32: (32, 32, 8, 2), 64: (32, 32, 8, 2), 128: (32, 16, 8, 2),
                        256: (16, 16, 8, 2)},
     ("dkdv", "16bit"): {16: (32, 64, 4, 2), 32: (32, 64, 4, 2), 64: (32, 64, 4, 2), 128: (32, 64, 8, 2),
@@ -178,7 +182,7 @@ def _derf_grad_tile(s, dp, delta, rden, visible, alpha, bias, gamma):
 
 @triton.jit
 def _derf_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr, out_ptr, den_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr, out_ptr, out32_ptr, den_ptr,
     S, N, H, GROUP, D, scale,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kn, stride_kh,
@@ -186,7 +190,7 @@ def _derf_fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_mb,
     HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -208,6 +212,7 @@ def _derf_fwd_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     den = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    w_max = tl.zeros((BLOCK_M,), dtype=tl.float32)
     qpos = offs_m + past
     hi = tl.minimum(N, past + (pid_m + 1) * BLOCK_M)  # last key any query of this block sees, + 1
     for start_n in range(0, hi, BLOCK_N):
@@ -218,13 +223,37 @@ def _derf_fwd_kernel(
         kept = _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK)
         visible = (offs_n[None, :] <= qpos[:, None]) & kept[None, :]
         half, _ = _erf_parts(alpha * s + bias)
-        w = tl.where(visible, gamma * half, 0.0)
-        den += tl.sum(w, axis=1)
         v = _load_rows(v_base, offs_n, stride_vn, offs_d, n_ok, d_ok)
-        acc += tl.dot(w.to(v.dtype), v, input_precision=PRECISION)
+        w = tl.where(visible, gamma * half, 0.0)
+        if LOW_PRECISION:
+            # 16-bit weights for the tensor cores, relative to the row's running max |w|
+            # (fp16 would flush the erf tail, w < 6e-5, to subnormals and 0), and the
+            # same rounded weights summed into den: out stays a weighted mean of the
+            # values, exactly v_j in a row that sees one key (whose other gradients
+            # the truth makes 0).
+            w_new = tl.maximum(w_max, tl.max(tl.abs(w), axis=1))
+            ref = tl.where(w_new > 0, w_new, 1.0)
+            corr = w_max / ref   # 0 until a key is visible, when acc and den are still 0
+            w = (w / ref[:, None]).to(v.dtype)
+            den = den * corr + tl.sum(w.to(tl.float32), axis=1)
+            acc = acc * corr[:, None] + tl.dot(w, v, input_precision=PRECISION)
+            w_max = w_new
+        else:
+            den += tl.sum(w, axis=1)
+            acc += tl.dot(w, v, input_precision=PRECISION)
 
+    if LOW_PRECISION:
+        acc = acc * w_max[:, None]
+        den = den * w_max
     out = acc / (den + 1e-8)[:, None]
-    _store_rows(out_ptr + b * stride_ob + h.to(tl.int64) * stride_oh, offs_m, stride_os, offs_d, m_ok, d_ok, out)
+    out_offset = b * stride_ob + h.to(tl.int64) * stride_oh
+    _store_rows(out_ptr + out_offset, offs_m, stride_os, offs_d, m_ok, d_ok, out)
+    if LOW_PRECISION:
+        # through a block pointer: a second [BLOCK_M, BLOCK_D] tile of 64-bit addresses
+        # does not fit next to the accumulator at head dim 128
+        out32 = tl.make_block_ptr(out32_ptr + out_offset, (S, D), (stride_os, 1), (pid_m * BLOCK_M, 0),
+                                  (BLOCK_M, BLOCK_D), (1, 0))
+        tl.store(out32, out, boundary_check=(0, 1))
     tl.store(den_ptr + pid_bh.to(tl.int64) * S + offs_m, den, mask=m_ok)
 
 
@@ -232,9 +261,9 @@ def _derf_fwd_kernel(
 def _derf_bwd_delta_kernel(do_ptr, out_ptr, delta_ptr, S, H, D,
                            stride_dob, stride_dos, stride_doh, stride_ob, stride_os, stride_oh,
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """delta_i = dout_i·out_i in fp32, [B, H, S]: one read of dout and out (rather than
-    torch upcasts, a product and a sum over [B, S, H, D]); kept out of the dQ kernel,
-    whose registers are full."""
+    """delta_i = dout_i·out_i in fp32, [B, H, S], from the forward's fp32 output: one
+    read of dout and out (rather than torch upcasts, a product and a sum over
+    [B, S, H, D]); kept out of the dQ kernel, whose registers are full."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -374,7 +403,13 @@ def _derf_bwd_dq_kernel(
     part = part_ptr + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * 3
     tl.store(part, tl.sum(sum_dz_s, axis=0))
     tl.store(part + 1, tl.sum(sum_dz, axis=0))
-    tl.store(part + 2, tl.sum(sum_dw_e, axis=0))
+    # out_i = γ·A_i/(γ·H_i + 1e-8) depends on γ only through the 1e-8: Σ_j dw_ij·(erf+1)/2
+    # equals δ_i·rden_i·1e-8/γ, taken so rather than as the difference of two sums
+    # ~1e8 times larger (whose rounding, bf16 for rounded weights, is all that is left).
+    # The pairwise sum serves γ = 0, where it has no cancellation.
+    gamma_safe = tl.where(gamma != 0, gamma, 1.0)
+    d_gamma = tl.where(gamma != 0, tl.sum(delta * rden, axis=0) * 1e-8 / gamma_safe, tl.sum(sum_dw_e, axis=0))
+    tl.store(part + 2, d_gamma)
     _store_rows(dq_ptr + b * stride_dqb + h * stride_dqh, offs_m, stride_dqs, offs_d, m_ok, d_ok, dq * scale)
 
 
@@ -407,8 +442,10 @@ def derf_attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     derf_alpha: torch.Tensor, derf_bias: torch.Tensor, derf_gamma: torch.Tensor,
     key_mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DERF attention forward: ``(out [B, S, H, D], den [B, H, S] fp32)``.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DERF attention forward: ``(out [B, S, H, D], den [B, H, S] fp32, out32)``;
+    ``out32`` is ``out`` before its rounding to a 16-bit input dtype (fp32
+    ``[B, S, H, D]``), the backward's δ = dout·out, and empty for fp32 inputs.
 
     Inputs as :func:`derf_attention`, except that the parameters are fp32 and
     ``key_mask`` is a uint8 ``(B, N)`` tensor (or None)."""
@@ -419,16 +456,20 @@ def derf_attention_op(
     block_m, block_n, warps, stages = _tiles("fwd", q.dtype, block_d)
     out = empty((B, S, H, D), dtype=q.dtype, device=q.device)
     den = empty((B, H, S), dtype=torch.float32, device=q.device)
+    # δ_i = dout_i·out_i from the rounded output is off by a 16-bit ulp of out, the
+    # whole of the truth in rows that (nearly) see one key: keep the fp32 output.
+    low = q.dtype != torch.float32
+    out32 = empty((B, S, H, D) if low else (0,), dtype=torch.float32, device=q.device)
     mask, stride_mb = _mask_args(key_mask)
     grid = (triton.cdiv(S, block_m), B * H)
     wrap_triton(_derf_fwd_kernel)[grid](
-        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, out, den,
+        q, k, v, mask, derf_alpha, derf_bias, derf_gamma, out, out32, den,
         S, N, H, H // kv_heads, D, 1.0 / math.sqrt(D),
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), stride_mb,
         HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        PRECISION=dot_precision(q.dtype), LOW_PRECISION=low, num_warps=warps, num_stages=stages,
     )
-    return out, den
+    return out, den, out32
 
 
 @triton_op("laminae::derf_attention_bwd", mutates_args=())
@@ -480,12 +521,12 @@ def _derf_attention_bwd(
 
 def _attn_setup_context(ctx, inputs, output):
     q, k, v, alpha, bias, gamma, key_mask = inputs
-    out, den = output
-    ctx.mark_non_differentiable(den)
-    ctx.save_for_backward(q, k, v, out, den, alpha, bias, gamma, key_mask)
+    out, den, out32 = output
+    ctx.mark_non_differentiable(den, out32)
+    ctx.save_for_backward(q, k, v, out if out32.numel() == 0 else out32, den, alpha, bias, gamma, key_mask)
 
 
-def _attn_backward(ctx, dout, _dden):
+def _attn_backward(ctx, dout, _dden, _dout32):
     q, k, v, out, den, alpha, bias, gamma, key_mask = ctx.saved_tensors
     dq, dk, dv, dparams = _derf_attention_bwd(dout, q, k, v, out, den, alpha, bias, gamma, key_mask)
     return dq, dk, dv, dparams[:, 0], dparams[:, 1], dparams[:, 2], None
@@ -528,7 +569,7 @@ def launch_derf_attention(q, k, v, derf_alpha, derf_bias, derf_gamma, key_mask=N
         raise ShapeError(f"Triton DERF attention supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}; "
                          "use backend='reference' for wider heads")
     mask = None if key_mask is None else key_mask.ne(0).to(torch.uint8)
-    out, _ = derf_attention_op(q, k, v, derf_alpha.float(), derf_bias.float(), derf_gamma.float(), mask)
+    out, _, _ = derf_attention_op(q, k, v, derf_alpha.float(), derf_bias.float(), derf_gamma.float(), mask)
     return out
 
 
@@ -670,7 +711,7 @@ def _attn_signature(kernel_kind: str, dt: str) -> dict[str, str]:
     f32 = "*fp32"
     ptrs = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*u8", alpha_ptr=f32, bias_ptr=f32, gamma_ptr=f32)
     if kernel_kind == "fwd":
-        ptrs.update(out_ptr=p, den_ptr=f32)
+        ptrs.update(out_ptr=p, out32_ptr=f32, den_ptr=f32)
         tensors = ("q", "k", "v", "o")
     elif kernel_kind == "dkdv":
         ptrs.update(do_ptr=p, delta_ptr=f32, den_ptr=f32, dk_ptr=p, dv_ptr=p)
@@ -702,12 +743,14 @@ def static_cases() -> Iterator[StaticCase]:
                 for has_mask in (False, True):
                     const = dict(HAS_MASK=has_mask, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
                                  PRECISION=dot_precision(dtype))
+                    if kind == "fwd":
+                        const["LOW_PRECISION"] = dtype != torch.float32
                     yield StaticCase(name, kernel, _attn_signature(kind, dt), const, warps, stages,
                                      tags={"dtype": dt}, expect=_expected_mma(dtype, block_d))
         p = f"*{dt}"
         for block_d in TILES[("dq", "fp32")]:
             yield StaticCase("derf_bwd_delta", _derf_bwd_delta_kernel,
-                             dict(do_ptr=p, out_ptr=p, delta_ptr="*fp32", S="i32", H="i32", D="i32",
+                             dict(do_ptr=p, out_ptr="*fp32", delta_ptr="*fp32", S="i32", H="i32", D="i32",
                                   stride_dob="i32", stride_dos="i32", stride_doh="i32",
                                   stride_ob="i32", stride_os="i32", stride_oh="i32"),
                              dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=block_d), DELTA_WARPS, tags={"dtype": dt})

@@ -247,9 +247,8 @@ def _dk_panel(acc, kh_i, a_i, rows, keep_i, start_j, kh_ptr, b_ptr, mask_ptr, b,
         allowed = cols[None, :] <= rows[:, None]
     else:
         allowed = cols[None, :] >= rows[:, None]
-    allowed = allowed & keep_i[:, None] & keep_j[None, :]
-    if UNIT_DIAG:  # a constant diagonal has no gradient
-        allowed = allowed & (cols[None, :] != rows[:, None])
+    # off the diagonal only: the kernel adds the diagonal's term itself (see _lucid_dk_kernel)
+    allowed = allowed & keep_i[:, None] & keep_j[None, :] & (cols[None, :] != rows[:, None])
     l_t = _l_tile(kh_i, kh_j, allowed, scale, shift, PRECISION)
     b_j = _load_block(b_ptr + base, start_j, keep_j, N, D, row_stride, BLOCK_N, BLOCK_D).to(operand)
     ds = tl.dot(a_i, tl.trans(b_j), input_precision=PRECISION) * l_t
@@ -257,10 +256,11 @@ def _dk_panel(acc, kh_i, a_i, rows, keep_i, start_j, kh_ptr, b_ptr, mask_ptr, b,
 
 
 @triton.jit
-def _lucid_dk_kernel(k_ptr, kh_ptr, mask_ptr, vp_ptr, dv_ptr, dk_ptr, N, HKV, D, eps, scale, shift,
+def _lucid_dk_kernel(k_ptr, kh_ptr, mask_ptr, vp_ptr, dv_ptr, dvvp_ptr, dk_ptr, N, HKV, D, eps, scale, shift,
                      HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-    """dk for key block I (BLOCK rows), over key blocks J of BLOCK_N (BLOCK a multiple)."""
+    """dk for key block I (BLOCK rows), over key blocks J of BLOCK_N (BLOCK a multiple);
+    ``dvvp_ptr`` holds dV_j·V′_j per key ([B, N, H_kv] fp32), the diagonal's dS up to L_jj."""
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)
     b = (pid // HKV).to(tl.int64)
@@ -286,8 +286,16 @@ def _lucid_dk_kernel(k_ptr, kh_ptr, mask_ptr, vp_ptr, dv_ptr, dk_ptr, N, HKV, D,
     for start_j in range(start, N, BLOCK_N):
         acc = _dk_panel(acc, kh_i, vp_i, rows, keep_i, start_j, kh_ptr, dv_ptr, mask_ptr, b, base, N, row_stride, D,
                         scale, shift, HAS_MASK, UNIT_DIAG, False, BLOCK_N, BLOCK_D, PRECISION)
-    dkh = acc * scale
     kh32_i, rho_i = _khat_tile(k_ptr + base, rows, keep_i, row_stride, D, eps, BLOCK_D)  # fp32, after the loops
+    if not UNIT_DIAG:  # (a constant diagonal has no gradient)
+        # The diagonal L_ii = exp(s·|k̂_i|² − √d), in fp32 as the forward has it, gives
+        # 2·dS_ii·k̂_i along k̂_i, which the norm's backward below removes (all but the
+        # eps part) only if it is the same fp32 k̂_i: through the 16-bit Gram tile it left
+        # a 16-bit ulp of it in dk, the whole of dk for a key that only itself sees.
+        l_ii = tl.exp(tl.reduce(kh32_i * kh32_i, 1, _sum_combine) * scale - shift)
+        dv_vp = tl.load(dvvp_ptr + (b * N * HKV + kvh) + rows * HKV, mask=keep_i, other=0.0)
+        acc += (-2.0 * dv_vp * l_ii)[:, None] * kh32_i
+    dkh = acc * scale
     # RMS-norm backward: dk = ρ·(dk̂ − k̂·(k̂·dk̂)/d)
     dk = rho_i[:, None] * (dkh - kh32_i * (tl.reduce(kh32_i * dkh, 1, _sum_combine) / D)[:, None])
     tl.store(dk_ptr + base + rows[:, None] * row_stride + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
@@ -411,8 +419,11 @@ def _lucid_precondition_bwd_op(dvp: torch.Tensor, k: torch.Tensor, vp: torch.Ten
     kh, linv = _prepare(k, key_mask, eps, unit_diagonal, t)  # recomputed: cheaper than saving
     dv = _substitute(kh, dvp, key_mask, linv, t, transposed=True)
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
+    # the diagonal's dV_j·V′_j (an O(N·D) pass: in the kernel, next to the accumulator,
+    # its two tiles would spill); padding keys' entries are never read
+    dv_vp = (dv * vp).sum(-1)
     wrap_triton(_lucid_dk_kernel)[(triton.cdiv(N, t.dk_rows), B * HKV)](
-        k, kh, key_mask, vp, dv, dk, N, HKV, D, eps, scale, shift,
+        k, kh, key_mask, vp, dv, dv_vp, dk, N, HKV, D, eps, scale, shift,
         HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=t.dk_rows, BLOCK_N=t.dk_block_n,
         BLOCK_D=block_d(D), PRECISION=dot_precision(k.dtype), num_warps=t.dk_warps, num_stages=NUM_STAGES,
     )
@@ -515,7 +526,7 @@ def static_cases() -> Iterator[StaticCase]:
                                      | dict(eps="fp32") | consts, const, t.warps, NUM_STAGES, tags=tags)
                     yield StaticCase("lucid_bwd_dk", _lucid_dk_kernel,
                                      dict(k_ptr=p, kh_ptr=p, mask_ptr="*i8", vp_ptr="*fp32", dv_ptr="*fp32",
-                                          dk_ptr=p) | scalars | dict(eps="fp32") | consts,
+                                          dvvp_ptr="*fp32", dk_ptr=p) | scalars | dict(eps="fp32") | consts,
                                      dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=t.dk_rows, BLOCK_N=t.dk_block_n,
                                           BLOCK_D=bd, PRECISION=precision), t.dk_warps, NUM_STAGES, tags=tags,
                                      expect=expect if t.dk_rows >= 64 else "")

@@ -233,9 +233,11 @@ def _mc_fwd_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, mem_ptr, z_ptr, y_ptr
         ko = _block_start(kb, b, h, S, H, D, BLOCK_L)
         phk, v, _ = _key_tiles(k_ptr + ko, v_ptr + ko, keep_ptr, b, S, ktok, k_ok, khd, cd, m_k)
         a = tl.dot(phq, tl.trans(phk), input_precision=PRECISION)
-        a = tl.where(_own_mask(tok, seg, ktok, kseg, True), a, 0.0)
-        acc = tl.dot(_operand(a, v.dtype), v, acc, input_precision=PRECISION)
-        acc_den += tl.sum(a, axis=1)
+        # the scores A·V multiplies (in the operand dtype) are the ones summed into den:
+        # y stays a weighted mean of the values, exactly v for a token that sees only itself
+        a = _operand(tl.where(_own_mask(tok, seg, ktok, kseg, True), a, 0.0), v.dtype)
+        acc = tl.dot(a, v, acc, input_precision=PRECISION)
+        acc_den += tl.sum(a.to(tl.float32), axis=1)
     gam = tl.load(gam_ptr + gam_row + seg, mask=row_ok, other=0.0)
     acc = gam[:, None] * acc
     acc_den = gam * acc_den
@@ -347,18 +349,24 @@ def _mc_bwd_mem_kernel(q_ptr, gam_ptr, g_ptr, den_ptr, dden_ptr, dmem_ptr, dz_pt
 
 @triton.jit
 def _query_tiles(qb, b, h, bh, S, H, D, L, N, q_ptr, g_ptr, gam_ptr, den_ptr, dden_ptr, cd, op: tl.constexpr,
-                 BLOCK_Q: tl.constexpr):
+                 BLOCK_Q: tl.constexpr, SCALE_G: tl.constexpr):
     """A query block of the own-segment walk of ``_mc_bwd_kv_kernel``: its tokens, their
-    segments, φ(Q) and γ_s·dN (operands in ``op``), γ_s·dD (fp32)."""
+    segments, then φ(Q) and g as operands in ``op``, one of them scaled by γ_s/D_t
+    (``SCALE_G``: g, so that the second is γ_s·dN; else φ(Q)), and −g·y (fp32)."""
     tok, seg, row_ok, hd, m_hd = _row_block(qb, b, h, S, H, D, L, cd, BLOCK_Q)
     qo = _block_start(qb, b, h, S, H, D, BLOCK_Q)
     gam = tl.load(gam_ptr + (b * S + tok) * N + seg, mask=row_ok, other=0.0)
-    inv_den = 1.0 / tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
-    d_den = gam * tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0)
-    # fp16 saturates γ/den·g (see _operand) only on rows whose causal keys are all
-    # padded; the callers' `where` keeps those products exactly 0
-    d_num = _operand((gam * inv_den)[:, None] * _load_rows(g_ptr + qo, hd, cd, m_hd).to(tl.float32), op)
-    return tok, seg, _operand(_phi_rows(q_ptr + qo, hd, cd, m_hd), op), d_num, d_den
+    den = tl.load(den_ptr + bh * S + tok, mask=row_ok, other=1.0)
+    g_y = tl.load(dden_ptr + bh * S + tok, mask=row_ok, other=0.0) * den      # dD·D_t = −g·y
+    phq = _phi_rows(q_ptr + qo, hd, cd, m_hd)
+    g = _load_rows(g_ptr + qo, hd, cd, m_hd)
+    # fp16 saturates γ/D_t times a row (see _operand) only on rows whose causal keys are
+    # all padded; the callers' `where` keeps those products exactly 0
+    if SCALE_G:
+        g = (gam / den)[:, None] * g.to(tl.float32)
+    else:
+        phq = (gam / den)[:, None] * phq
+    return tok, seg, _operand(phq, op), _operand(g, op), g_y
 
 
 @triton.jit
@@ -390,7 +398,7 @@ def _mc_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, g_ptr, den_ptr, dd
     dv = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     for qb in range(q_lo, q_hi):
         tok, seg, phq, d_num, _ = _query_tiles(qb, b, h, bh, S, H, D, L, N, q_ptr, g_ptr, gam_ptr, den_ptr,
-                                               dden_ptr, cd, op, BLOCK_Q)
+                                               dden_ptr, cd, op, BLOCK_Q, True)
         at = tl.dot(phk, tl.trans(phq), input_precision=PRECISION)
         at = tl.where(_own_mask(ktok, kseg, tok, seg, False), at, 0.0)     # [key, query]
         dv = tl.dot(_operand(at, op), d_num, dv, input_precision=PRECISION)
@@ -400,13 +408,15 @@ def _mc_bwd_kv_kernel(q_ptr, k_ptr, v_ptr, keep_ptr, gam_ptr, g_ptr, den_ptr, dd
                            dmem_ptr, (bh * N + j) * D, cd, D, False, BLOCK_D, BLOCK_E, PRECISION)
     tl.store(dv_ptr + ko + khd[:, None] + cd[None, :], dv.to(dv_ptr.dtype.element_ty), mask=m_k)
 
-    # dφ(k) = dAᵀ·φ(Q) + Σ_j (V_j·dM_jᵀ + dz_j)
+    # dφ(k) = dAᵀ·φ(Q) + Σ_j (V_j·dM_jᵀ + dz_j), with dA = (γ/D_t)·(V·g − g·y): V·g and
+    # g·y in fp32 from the same g, so they cancel where the truth does (y = v, a token
+    # that sees only itself); γ/D_t rides on φ(Q)
     v = _load_rows(v_ptr + ko, khd, cd, m_kept)
     dphk = tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32)
     for qb in range(q_lo, q_hi):
-        tok, seg, phq, d_num, d_den = _query_tiles(qb, b, h, bh, S, H, D, L, N, q_ptr, g_ptr, gam_ptr, den_ptr,
-                                                   dden_ptr, cd, op, BLOCK_Q)
-        dat = tl.dot(v, tl.trans(d_num), input_precision=PRECISION) + d_den[None, :]
+        tok, seg, phq, g, g_y = _query_tiles(qb, b, h, bh, S, H, D, L, N, q_ptr, g_ptr, gam_ptr, den_ptr,
+                                             dden_ptr, cd, op, BLOCK_Q, False)
+        dat = tl.dot(v, tl.trans(g), input_precision=PRECISION) + g_y[None, :]
         dat = tl.where(_own_mask(ktok, kseg, tok, seg, False), dat, 0.0)
         dphk = tl.dot(_operand(dat, op), phq, dphk, input_precision=PRECISION)
     for j in range(kb * BLOCK_L // L, last_seg + 1):

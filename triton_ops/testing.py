@@ -13,14 +13,18 @@ for their own ops (or rerun ours on their hardware)::
         assert_parity(my_kernel, my_reference, inputs, grad_names=["q", "k", "v"])
 
 ``parity`` runs ``op`` and ``reference`` on identical inputs, backpropagates one
-random upstream gradient through every floating output, and compares outputs and
-every named gradient. fp32/fp64: the reference on the same inputs, within
-:data:`TOLERANCES`. bf16/fp16: the truth is the reference in fp32, and the op may be
-at most twice as far from it as the same-dtype reference, plus the dtype's atol.
-``parity_float64`` bounds an fp32 op's relative RMSE against the reference run in
-float64 (2e-5): a uniform ×1.001 error in any gradient fails it, which element-wise
-fp32 tolerances let through.
-``hypothesis`` is only needed for the strategies (the ``test`` extra).
+random upstream gradient (drawn in the op's output dtype) through every floating
+output, and compares outputs and every named gradient. fp32/fp64: the reference on
+the same inputs, within :data:`TOLERANCES`. bf16/fp16: the truth is the reference in
+fp32, and the op may be at most twice as far from it as the same-dtype reference,
+plus the dtype's atol. ``parity_float64`` bounds an op's relative RMSE against the
+reference run in float64 (fp32: 2e-5, bf16/fp16: two ulps of the dtype; plus
+:data:`FLOAT64_ABS_RMS` per element of the largest compared tensor): a uniform
+×1.001 error in any fp32 gradient fails it, which element-wise tolerances let through. All three take ``where={name: bool mask}``
+to compare only chosen elements of an output (``"out0"``, or its ``output_names``
+entry) or gradient (``"dq"`` for input ``q``).
+``hypothesis`` is only needed for the strategies (the ``test`` extra); what they
+draw are plain dicts and numbers, so a falsifying example prints as one.
 """
 from __future__ import annotations
 
@@ -28,19 +32,22 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ._parity import (FLOAT64_ABS_RMS, FLOAT64_REL_RMSE, TOLERANCES, Comparison, ParityResult, compare, parity,
-                      parity_float64, tolerance)
+from ._parity import (FLOAT64_ABS_RMS, FLOAT64_REL_RMSE, FLOAT64_REL_RMSE_ULPS, TOLERANCES, Comparison, ParityResult,
+                      compare, parity, parity_float64, tolerance)
 
-__all__ = ["TOLERANCES", "FLOAT64_REL_RMSE", "FLOAT64_ABS_RMS", "Comparison", "ParityResult", "compare", "parity",
+__all__ = ["TOLERANCES", "FLOAT64_REL_RMSE", "FLOAT64_REL_RMSE_ULPS", "FLOAT64_ABS_RMS", "Comparison", "ParityResult",
+           "compare", "parity",
            "parity_float64", "tolerance", "assert_parity",
-           "keep_mask", "scales", "seeds", "attention_shapes", "lengths"]
+           "keep_mask", "scales", "seeds", "attention_shapes", "lengths", "HEAD_PAIRS"]
 
 
 def assert_parity(op: Callable, reference: Callable, inputs: Mapping[str, object], grad_names: Sequence[str], *,
                   dtype: torch.dtype | None = None, seed: int = 0,
-                  output_names: Sequence[str] | None = None) -> ParityResult:
+                  output_names: Sequence[str] | None = None,
+                  where: Mapping[str, torch.Tensor] | None = None) -> ParityResult:
     """:func:`parity`, raising ``AssertionError`` with the per-tensor report on a mismatch."""
-    result = parity(op, reference, inputs, grad_names, dtype=dtype, seed=seed, output_names=output_names)
+    result = parity(op, reference, inputs, grad_names, dtype=dtype, seed=seed, output_names=output_names,
+                    where=where)
     if not result.ok:
         raise AssertionError("op differs from reference:\n" + result.report())
     return result
@@ -73,16 +80,20 @@ def lengths(max_len: int = 40):
     return st.one_of(st.sampled_from([1, 2, 17, 33]), st.integers(1, max_len))
 
 
+HEAD_PAIRS = ((1, 1), (2, 1), (4, 2), (3, 3))
+
+
 def attention_shapes(max_len: int = 40, head_dims: Sequence[int] = (8, 16, 24, 32)):
     """``dict(batch, seq, cached, heads, kv_heads, head_dim)``: query length ``seq``,
-    ``cached`` earlier key positions (decoding), grouped-query head pairs."""
+    ``cached`` earlier key positions (decoding), grouped-query head pairs
+    (:data:`HEAD_PAIRS`). One fixed dictionary per head pair rather than a mapped
+    draw, so a falsifying example prints as the dict itself."""
     st = _st()
-    return st.fixed_dictionaries({
+    return st.one_of([st.fixed_dictionaries({
         "batch": st.integers(1, 2),
         "seq": lengths(max_len),
         "cached": st.sampled_from([0, 0, 3, 16]),
-        "heads": st.just(None),
-        "kv_heads": st.just(None),
+        "heads": st.just(heads),
+        "kv_heads": st.just(kv_heads),
         "head_dim": st.sampled_from(list(head_dims)),
-    }).flatmap(lambda d: st.sampled_from([(1, 1), (2, 1), (4, 2), (3, 3)]).map(
-        lambda hk: {**d, "heads": hk[0], "kv_heads": hk[1]}))
+    }) for heads, kv_heads in HEAD_PAIRS])

@@ -1,13 +1,15 @@
-"""Every kernel's tour case against the reference in float64, by relative RMSE: a
-uniform ×1.001 error in any output or gradient (which the element-wise fp32
-tolerances admit) fails here."""
+"""Every kernel's tour case through the public ``laminae.triton_ops.testing``, as a user
+would run it: ``parity_float64`` (the fp32 op against the reference in float64, by
+relative RMSE: a uniform ×1.001 error in any output or gradient, which the
+element-wise fp32 tolerances admit, fails) and ``assert_parity`` (``parity``) in 16
+bits on the interpreter, bf16 and fp16 taking turns over the cases."""
 import importlib
 
 import pytest
 import torch
 
-from laminae.triton_ops.testing import parity_float64
-from laminae.triton_ops.tour import MECHANISMS
+from laminae.triton_ops.testing import ParityResult, assert_parity, parity_float64
+from laminae.triton_ops.tour import MECHANISMS, _cast
 
 from .._helpers import DEVICE
 
@@ -18,17 +20,20 @@ def _cases():
         yield from cases if isinstance(cases, (list, tuple)) else [cases]
 
 
-@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c.name.split(" (")[0])
-def test_kernel_within_float64_truth(case):
-    # DERF's γ cancels in the normalisation except through the 1e-8: its gradient is
-    # fp32 rounding noise in every implementation (docs/mechanisms/derf.md)
-    grads = [g for g in case.grad_names if g != "derf_gamma"]
-    result = parity_float64(case.op, case.reference, case.inputs, grads)
+CASES = [(case, (torch.bfloat16, torch.float16)[i % 2]) for i, case in enumerate(_cases())]
+
+
+@pytest.mark.parametrize("case, dtype", CASES,
+                         ids=[f"{c.name.split(' (')[0]}-{str(d)[6:]}" for c, d in CASES])
+def test_public_testing_api_on_every_kernel(case, dtype):
+    result = parity_float64(case.op, case.reference, case.inputs, case.grad_names)
     assert result.ok, result.report()
+    low = assert_parity(case.op, case.reference, _cast(case.inputs, dtype), case.grad_names, dtype=dtype)
+    assert isinstance(low, ParityResult) and [c.name for c in low.grads] == [f"d{n}" for n in case.grad_names]
 
 
 def test_uniform_scale_error_is_caught():
-    case = next(c for c in _cases() if c.name.startswith("xsa"))
+    case = next(c for c, _ in CASES if c.name.startswith("xsa"))
 
     class Scaled(torch.autograd.Function):   # a kernel whose dv is 1.001 × too large
         @staticmethod

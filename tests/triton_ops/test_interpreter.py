@@ -1,5 +1,6 @@
-"""The interpreter correction in ``triton_ops/_interpreter.py``: a bf16 ``tl.dot``
-multiplies the numbers the bits encode (compiled kernels: the tensor cores do)."""
+"""The interpreter corrections in ``triton_ops/_interpreter.py``: a bf16 ``tl.dot``
+multiplies the numbers the bits encode, and fp32 → bf16 rounds to nearest even
+(compiled kernels: the tensor cores and ``cvt.rn.bf16.f32`` do)."""
 import pytest
 import torch
 import triton
@@ -29,3 +30,25 @@ def test_16bit_dot_multiplies_values_with_fp32_accumulation(dtype):
     # (and tf32 on a GPU for fp32 inputs)
     tol = 1e-2 if dtype == torch.float32 and DEVICE.type == "cuda" else 1e-5
     torch.testing.assert_close(c, a.double().matmul(b.double()).float(), atol=tol, rtol=tol)
+
+
+@triton.jit
+def _cast_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs).to(tl.bfloat16))
+
+
+def test_fp32_to_bf16_rounds_to_nearest_even():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(245, generator=gen)                                          # 256 values in all
+    ulp = torch.tensor([1.0, 1.0, 3.0, -3.0]).to(torch.bfloat16).float() * 2.0**-8   # bf16 ulp at 1, 1, 3, −3
+    ties = torch.tensor([1.0, 1.0078125, 3.0, -3.0]) + ulp / 2                   # halfway: to the even neighbour
+    special = torch.tensor([float("inf"), float("-inf"), 3.3895e38, 0.0, -0.0, 1e-40])
+    x = torch.cat([x, 0.999999 * torch.ones(1), ties, special]).to(DEVICE)
+    y = torch.empty(x.shape, dtype=torch.bfloat16, device=DEVICE)
+    _cast_kernel[(1,)](x, y, x.numel())
+    assert torch.equal(y.view(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    nan = torch.full((1,), float("nan"), device=DEVICE)
+    y = torch.empty(1, dtype=torch.bfloat16, device=DEVICE)
+    _cast_kernel[(1,)](nan, y, 1)
+    assert torch.isnan(y).all()
