@@ -29,3 +29,38 @@ def test_16bit_dot_multiplies_values_with_fp32_accumulation(dtype):
     # (and tf32 on a GPU for fp32 inputs)
     tol = 1e-2 if dtype == torch.float32 and DEVICE.type == "cuda" else 1e-5
     torch.testing.assert_close(c, a.double().matmul(b.double()).float(), atol=tol, rtol=tol)
+
+
+@triton.jit
+def _halve(x):
+    return x * 0.5
+
+
+@triton.jit
+def _nested_kernel(x_ptr, out_ptr, steps, N: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, N))
+    acc = 0.0
+    for _ in range(steps):
+        acc += tl.sum(_halve(x), axis=0)          # a helper and a library jit function per step
+    tl.store(out_ptr, acc)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter behaviour")
+def test_nested_jit_calls_do_not_repatch_the_language(monkeypatch):
+    """A launch patches triton.language once; nested @triton.jit calls (helpers, tl.sum)
+    reuse it instead of re-patching it per call, and the language is restored after."""
+    from triton.runtime import interpreter
+
+    calls = []
+    original = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: calls.append(1) or original(*a))
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.empty(1)
+    counts = []
+    for steps in (1, 6):
+        calls.clear()
+        _nested_kernel[(1,)](x, out, steps, 8)
+        counts.append(len(calls))
+        assert out.item() == steps * 14.0
+    assert counts[0] == counts[1]
+    assert tl.sum is interpreter.tl.standard.sum and not hasattr(tl.core.tensor, "__index__")
