@@ -12,19 +12,19 @@ Backward: d byte_embed[c] = ½·Σ_{n,i: code(n,i)=c} w(n,i)·R_{−p_i}·g_n is
 of N·16 rotated gradient rows into 256 rows. Scattering them with atomics is a contention
 hot spot (byte 0, common letters) and not reproducible in fp32; a dense 256-way indicator
 matmul costs 2·256·16·N·d FLOPs for it. Instead (the sorted-segments idea of Engram's
-table gradient, here with 256 long segments rather than many short ones) torch sorts the
-entries by (token slice, byte) (stable, static shapes: ``_sorted_entries``) and
-``_bee_bwd_kernel``, grid (slices, parts, (d/2)/BLOCK_J), walks one part of a slice — a
-run of whole bytes — in chunks of BLOCK_E entries: gathers the gradient rows, rotates
-them back with the slot's cos/sin, and sums each byte in sorted order (a chunk inside one
-byte's run is one masked sum; a chunk with several bytes takes one step per byte), then
-stores each byte's row once. Every row of a slice's fp32 partial [slices, 256, d] is
-written by one program (the rest stay zero); torch sums the slices in a fixed order. The
-result is bitwise reproducible. Entries that add nothing are never read: ids outside
-[0, V), zero-weight pads (modes 1 and 2), and in mode 0 a token's trailing run of byte-0
-slots becomes one entry whose rotation is the run's summed cos/sin.
-About 10 FLOPs per live entry and column instead of 512; bytes: the gradient rows once
-per live (token, slot) from L2, the sort, and the partials.
+table gradient, here with 256 long segments rather than many short ones) torch sorts each
+token slice's (token, slot) entries by byte (int16 keys, stable, static shapes:
+``_sorted_entries``) and ``_bee_bwd_kernel``, grid (slices, parts, (d/2)/BLOCK_J), walks
+one part of a slice — a run of whole bytes — in chunks of BLOCK_E entries: gathers the
+gradient rows, rotates them back with the slot's cos/sin, and sums each byte in sorted
+order (a chunk inside one byte's run is one masked sum; a chunk with several bytes takes
+one step per byte), then stores each byte's row once. Every row of a slice's fp32
+partial [slices, 256, d] is written by one program at most (the rest stay zero); torch
+sums the slices in a fixed order. The result is bitwise reproducible. Entries that add
+nothing are never read: ids outside [0, V), zero-weight pads (modes 1 and 2), and in
+mode 0 a token's trailing run of byte-0 slots becomes one entry whose rotation is the
+run's summed cos/sin. About 10 FLOPs per live entry and column instead of 512; bytes:
+each live entry's gradient row from L2, the sort, and the partials (docs/mechanisms).
 
 ``d e_tok = ½·g`` is a scale left to torch (also for out-of-range ids: their NaN comes from
 s, which adds nothing to the byte table's gradient). Saved for backward: nothing but the ids
@@ -49,12 +49,12 @@ __all__ = ["spelling_bee", "spelling_bee_op"]
 FWD_BLOCK_T, FWD_BLOCK_J, FWD_WARPS = 32, 64, 8
 # Backward: sorted (token, slot) entries per step × rotary pairs per program
 BWD_BLOCK_E, BWD_BLOCK_J, BWD_WARPS = 64, 16, 4
-# tokens per backward slice: each slice writes one [256, d] fp32 partial (summed in torch),
-# and its gradient rows, gathered once per slot, stay in L2 while its programs run
-BWD_ROWS_PER_SLICE = 2048
+# tokens per backward slice: each slice is sorted on its own (int16 byte keys) and writes
+# one [256, d] fp32 partial, summed in torch
+BWD_ROWS_PER_SLICE = 8192
 # programs per slice and column block, each a run of whole bytes: enough programs in flight
 # to hide the latency of the dependent gathers
-BWD_PARTS = 8
+BWD_PARTS = 16
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -113,14 +113,8 @@ def _bee_fwd_kernel(ids_ptr, etok_ptr, emb_ptr, bytes_ptr, len_ptr, cos_ptr, sin
 
 
 @triton.jit
-def _store_row(part_ptr, row, d, HALF, cols, col_mask, acc_lo, acc_hi, scale):
-    tl.store(part_ptr + row * d + cols, acc_lo * scale, mask=col_mask)
-    tl.store(part_ptr + row * d + HALF + cols, acc_hi * scale, mask=col_mask)
-
-
-@triton.jit
 def _bee_bwd_kernel(g_ptr, order_ptr, keys_ptr, bounds_ptr, tail_ptr, weight_ptr, cos_ptr, sin_ptr, part_ptr,
-                    HALF, PARTS: tl.constexpr, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
+                    HALF, entries_per_slice, PARTS: tl.constexpr, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_J: tl.constexpr):
     """One part of a token slice × BLOCK_J rotary pairs: a run of whole bytes of the slice's
     (token, slot) entries sorted by byte, summed byte by byte in sorted order (a segmented
@@ -133,7 +127,9 @@ def _bee_bwd_kernel(g_ptr, order_ptr, keys_ptr, bounds_ptr, tail_ptr, weight_ptr
     d = 2 * HALF
     first = tl.load(bounds_ptr + pid_s * (PARTS + 1) + pid_p)
     live_end = tl.load(bounds_ptr + pid_s * (PARTS + 1) + pid_p + 1)
-    key_base = pid_s * 257
+    slice_base = pid_s.to(tl.int64) * entries_per_slice  # positions in the slice, entries global
+    keys_ptr += slice_base
+    order_ptr += slice_base
     part = part_ptr + pid_s.to(tl.int64) * 256 * d
     scale = 0.5 if MODE == 2 else 0.5 / 16
     row = -1                                            # the byte being summed
@@ -142,8 +138,8 @@ def _bee_bwd_kernel(g_ptr, order_ptr, keys_ptr, bounds_ptr, tail_ptr, weight_ptr
     for e0 in range(first, live_end, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         in_range = e < live_end
-        key = tl.load(keys_ptr + e, mask=in_range, other=key_base + 256) - key_base
-        entry = tl.load(order_ptr + e, mask=in_range, other=0)
+        key = tl.load(keys_ptr + e, mask=in_range, other=256).to(tl.int32)
+        entry = slice_base + tl.load(order_ptr + e, mask=in_range, other=0)
         tok = entry // 16
         slot = (entry % 16).to(tl.int32)
         if MODE == 0:
@@ -172,8 +168,11 @@ def _bee_bwd_kernel(g_ptr, order_ptr, keys_ptr, bounds_ptr, tail_ptr, weight_ptr
             p_lo = tl.sum(tl.where(hit, v_lo, 0.0), axis=0)
             p_hi = tl.sum(tl.where(hit, v_hi, 0.0), axis=0)
             if k > row:
+                # the walk left byte `row`: its sum is complete (stores inline: the
+                # interpreter pays for every nested @triton.jit call)
                 if row >= 0:
-                    _store_row(part, row, d, HALF, cols, col_mask, acc_lo, acc_hi, scale)
+                    tl.store(part + row * d + cols, acc_lo * scale, mask=col_mask)
+                    tl.store(part + row * d + HALF + cols, acc_hi * scale, mask=col_mask)
                 row = k
                 acc_lo = p_lo
                 acc_hi = p_hi
@@ -182,7 +181,8 @@ def _bee_bwd_kernel(g_ptr, order_ptr, keys_ptr, bounds_ptr, tail_ptr, weight_ptr
                 acc_hi += p_hi
             k = tl.min(tl.where(key > k, key, 256), axis=0)
     if row >= 0:
-        _store_row(part, row, d, HALF, cols, col_mask, acc_lo, acc_hi, scale)
+        tl.store(part + row * d + cols, acc_lo * scale, mask=col_mask)
+        tl.store(part + row * d + HALF + cols, acc_hi * scale, mask=col_mask)
 
 
 def _block_j(half: int, cap: int) -> int:
@@ -199,43 +199,43 @@ def bwd_config(dtype: str) -> tuple[dict, int, int]:
 
 def _sorted_entries(ids: torch.Tensor, byte_ids: torch.Tensor, byte_len: torch.Tensor, mode_code: int,
                     rows_per_slice: int, parts: int):
-    """The N·16 (token, slot) entries of the byte-table gradient, sorted by (token slice, byte).
+    """The (token, slot) entries of the byte-table gradient, sorted by byte within each token
+    slice of ``rows_per_slice`` tokens.
 
-    Keys are slice·257 + byte, or slice·257 + 256 for an entry that adds nothing (an id
-    outside [0, V); a zero-weight pad in modes 1 and 2; in mode 0 the byte-0 slots of a
-    token's trailing run after its first): those sort to the end of their slice and are
-    never read. A stable sort keeps each byte's entries in token order, so the sum has
-    one fixed order. Each slice's live entries are cut into ``parts`` runs of whole bytes
-    of about equal length (a byte never straddles two). Returns the sorted keys (int32),
-    the entries n·16 + i (int64), the part bounds [slices, parts + 1], the per-token tail
-    (mode 0: first slot of the trailing byte-0 run) and weight (mode 2: 1/√n)."""
+    A slice's keys are its entries' bytes (int16, so the radix sort has two passes), or 256
+    for an entry that adds nothing (an id outside [0, V); a zero-weight pad in modes 1 and 2;
+    in mode 0 the byte-0 slots of a token's trailing run after its first; the padding of
+    the last slice): those sort to the end and are never read. A stable sort keeps each
+    byte's entries in token order, so the sum has one fixed order. Each slice's live
+    entries are cut into ``parts`` runs of whole bytes of about equal length (a byte never
+    straddles two). Returns, per slice [slices, rows_per_slice·16]: the sorted keys and the
+    positions in the slice they came from; the part bounds [slices, parts + 1]; the
+    per-token tail (mode 0: first slot of the trailing byte-0 run) and weight (mode 2: 1/√n)."""
     n = ids.numel()
     vocab = byte_ids.shape[0]
     valid = (ids >= 0) & (ids < vocab)
     tok = torch.where(valid, ids, 0)
-    codes = byte_ids[tok].to(torch.int32)                                   # [N, 16]
+    codes = byte_ids[tok].to(torch.int16)                                   # [N, 16]
     slot = torch.arange(SLOTS, device=ids.device)
     tail = weight = None
     if mode_code == 0:
         tail = ((codes != 0) * (slot + 1)).amax(-1).to(torch.int32)
-        live = slot <= tail[:, None].long()
+        live = slot <= tail[:, None]
     else:
         n_real = byte_len[tok].to(torch.int32)
         live = slot < n_real[:, None]
         if mode_code == 2:
             weight = torch.rsqrt(n_real.clamp_min(1).to(torch.float32))
-    live &= valid[:, None]
+    keys = torch.where(live & valid[:, None], codes, 256).to(torch.int16)
     slices = triton.cdiv(n, rows_per_slice)
-    base = (torch.arange(n, device=ids.device, dtype=torch.int32) // rows_per_slice * 257)[:, None]
-    keys = (base + torch.where(live, codes, 256)).reshape(-1)
-    sorted_keys, order = torch.sort(keys, stable=True)
-    first = torch.arange(slices, device=ids.device, dtype=torch.int64)[:, None] * (rows_per_slice * SLOTS)
-    live_end = torch.searchsorted(sorted_keys, (first // SLOTS // rows_per_slice * 257 + 256).to(torch.int32))
-    nominal = torch.minimum(first + torch.arange(parts, device=ids.device) * (rows_per_slice * SLOTS // parts),
-                            live_end)
+    keys = torch.nn.functional.pad(keys, (0, 0, 0, slices * rows_per_slice - n), value=256)
+    sorted_keys, order = torch.sort(keys.view(slices, rows_per_slice * SLOTS), dim=1, stable=True)
+    live_end = torch.searchsorted(sorted_keys, torch.full((slices, 1), 256, dtype=torch.int16, device=ids.device))
+    per_part = rows_per_slice * SLOTS // parts
+    nominal = torch.minimum(torch.arange(parts, device=ids.device) * per_part, live_end)
     # each part starts at the first entry of the byte under its nominal start
-    starts = torch.searchsorted(sorted_keys, sorted_keys[nominal.clamp_max(keys.numel() - 1)])
-    bounds = torch.cat([torch.where(nominal < live_end, starts, live_end), live_end], dim=1)
+    first_of_byte = torch.searchsorted(sorted_keys, sorted_keys.gather(1, nominal.clamp_max(sorted_keys.shape[1] - 1)))
+    bounds = torch.cat([torch.where(nominal < live_end, first_of_byte, live_end), live_end], dim=1)
     return sorted_keys, order, bounds.contiguous(), tail, weight
 
 
@@ -278,9 +278,12 @@ def _spelling_bee_bwd(g: torch.Tensor, ids: torch.Tensor, byte_ids: torch.Tensor
     # rows of bytes a slice never saw stay zero
     partials = torch.zeros((slices, 256, d), dtype=torch.float32, device=g.device)
     # a mode's unused per-token table is never read; a tensor of its type stands in for it
+    if tail is None:
+        tail = torch.zeros(1, dtype=torch.int32, device=g.device)
     wrap_triton(_bee_bwd_kernel)[(slices, const["PARTS"], triton.cdiv(half, const["BLOCK_J"]))](
-        g, order, keys, bounds, keys if tail is None else tail, cos2 if weight is None else weight,
-        cos2, sin2, partials, half, MODE=mode_code, **const, num_warps=warps, num_stages=stages,
+        g, order, keys, bounds, tail, cos2 if weight is None else weight,
+        cos2, sin2, partials, half, BWD_ROWS_PER_SLICE * SLOTS, MODE=mode_code, **const,
+        num_warps=warps, num_stages=stages,
     )
     return partials[0] if slices == 1 else partials.sum(0)
 
@@ -348,12 +351,12 @@ def static_cases() -> Iterator[StaticCase]:
             const, warps, stages = bwd_config(dt)
             # a gather and a segmented sum: no tl.dot, so no tensor-core instruction to expect
             yield StaticCase("bee_bwd", _bee_bwd_kernel,
-                             dict(g_ptr=p, order_ptr="*i64", keys_ptr="*i32", bounds_ptr="*i64", tail_ptr="*i32",
+                             dict(g_ptr=p, order_ptr="*i64", keys_ptr="*i16", bounds_ptr="*i64", tail_ptr="*i32",
                                   weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", part_ptr="*fp32",
-                                  HALF="i32"),
+                                  HALF="i32", entries_per_slice="i32"),
                              dict(MODE=mode, **const), warps, stages, tags={"dtype": dt},
                              divisible=("order_ptr", "keys_ptr", "bounds_ptr", "tail_ptr", "weight_ptr", "cos_ptr",
-                                        "sin_ptr", "part_ptr"))
+                                        "sin_ptr", "part_ptr", "entries_per_slice"))
 
 
 def tour_case(device: torch.device):
