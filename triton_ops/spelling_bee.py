@@ -48,13 +48,13 @@ __all__ = ["spelling_bee", "spelling_bee_op"]
 
 FWD_BLOCK_T, FWD_BLOCK_J, FWD_WARPS = 32, 64, 8
 # Backward: sorted (token, slot) entries per step × rotary pairs per program
-BWD_BLOCK_E, BWD_BLOCK_J, BWD_WARPS = 64, 16, 4
+BWD_BLOCK_E, BWD_BLOCK_J, BWD_WARPS = 64, 32, 4
 # tokens per backward slice: each slice is sorted on its own (int16 byte keys) and writes
 # one [256, d] fp32 partial, summed in torch
 BWD_ROWS_PER_SLICE = 8192
 # programs per slice and column block, each a run of whole bytes: enough programs in flight
-# to hide the latency of the dependent gathers
-BWD_PARTS = 16
+# to hide the latency of the dependent gathers, none for tiny inputs
+BWD_PARTS, BWD_ENTRIES_PER_PART = 16, 2048
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -114,7 +114,7 @@ def _bee_fwd_kernel(ids_ptr, etok_ptr, emb_ptr, bytes_ptr, len_ptr, cos_ptr, sin
 
 @triton.jit
 def _bee_bwd_kernel(g_ptr, order_ptr, keys_ptr, bounds_ptr, tail_ptr, weight_ptr, cos_ptr, sin_ptr, part_ptr,
-                    HALF, entries_per_slice, PARTS: tl.constexpr, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
+                    HALF, entries_per_slice, parts, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_J: tl.constexpr):
     """One part of a token slice × BLOCK_J rotary pairs: a run of whole bytes of the slice's
     (token, slot) entries sorted by byte, summed byte by byte in sorted order (a segmented
@@ -125,8 +125,8 @@ def _bee_bwd_kernel(g_ptr, order_ptr, keys_ptr, bounds_ptr, tail_ptr, weight_ptr
     cols = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
     col_mask = cols < HALF
     d = 2 * HALF
-    first = tl.load(bounds_ptr + pid_s * (PARTS + 1) + pid_p)
-    live_end = tl.load(bounds_ptr + pid_s * (PARTS + 1) + pid_p + 1)
+    first = tl.load(bounds_ptr + pid_s * (parts + 1) + pid_p)
+    live_end = tl.load(bounds_ptr + pid_s * (parts + 1) + pid_p + 1)
     slice_base = pid_s.to(tl.int64) * entries_per_slice  # positions in the slice, entries global
     keys_ptr += slice_base
     order_ptr += slice_base
@@ -192,9 +192,15 @@ def _block_j(half: int, cap: int) -> int:
 def bwd_config(dtype: str) -> tuple[dict, int, int]:
     """(constexprs without MODE, num_warps, num_stages) of ``_bee_bwd_kernel``: the launch,
     the static cases and the tests select through this function. One configuration for
-    every dtype and width: BLOCK_E sorted entries × BLOCK_J pairs (a 16-pair half row is
-    one 32-byte sector in 16-bit, two in fp32)."""
-    return dict(PARTS=BWD_PARTS, BLOCK_E=BWD_BLOCK_E, BLOCK_J=BWD_BLOCK_J), BWD_WARPS, 2
+    every dtype and width: BLOCK_E sorted entries × BLOCK_J pairs (a 32-pair half row is
+    two 32-byte sectors in 16-bit, four in fp32)."""
+    return dict(BLOCK_E=BWD_BLOCK_E, BLOCK_J=BWD_BLOCK_J), BWD_WARPS, 2
+
+
+def bwd_parts(n: int) -> int:
+    """Programs per slice (and column block): one per BWD_ENTRIES_PER_PART entry slots of a
+    slice, at most BWD_PARTS (a runtime argument, not a compiled configuration)."""
+    return max(1, min(BWD_PARTS, min(n, BWD_ROWS_PER_SLICE) * SLOTS // BWD_ENTRIES_PER_PART))
 
 
 def _sorted_entries(ids: torch.Tensor, byte_ids: torch.Tensor, byte_len: torch.Tensor, mode_code: int,
@@ -271,8 +277,9 @@ def _spelling_bee_bwd(g: torch.Tensor, ids: torch.Tensor, byte_ids: torch.Tensor
     if n == 0:
         return torch.zeros((256, d), dtype=torch.float32, device=g.device)
     const, warps, stages = bwd_config(triton_dtype(g.dtype))
+    parts = bwd_parts(n)
     keys, order, bounds, tail, weight = _sorted_entries(ids, byte_ids, byte_len, mode_code, BWD_ROWS_PER_SLICE,
-                                                        const["PARTS"])
+                                                        parts)
     cos2, sin2 = _rotation_tables(cos, sin)
     slices = bounds.shape[0]
     # rows of bytes a slice never saw stay zero
@@ -280,9 +287,9 @@ def _spelling_bee_bwd(g: torch.Tensor, ids: torch.Tensor, byte_ids: torch.Tensor
     # a mode's unused per-token table is never read; a tensor of its type stands in for it
     if tail is None:
         tail = torch.zeros(1, dtype=torch.int32, device=g.device)
-    wrap_triton(_bee_bwd_kernel)[(slices, const["PARTS"], triton.cdiv(half, const["BLOCK_J"]))](
+    wrap_triton(_bee_bwd_kernel)[(slices, parts, triton.cdiv(half, const["BLOCK_J"]))](
         g, order, keys, bounds, tail, cos2 if weight is None else weight,
-        cos2, sin2, partials, half, BWD_ROWS_PER_SLICE * SLOTS, MODE=mode_code, **const,
+        cos2, sin2, partials, half, BWD_ROWS_PER_SLICE * SLOTS, parts, MODE=mode_code, **const,
         num_warps=warps, num_stages=stages,
     )
     return partials[0] if slices == 1 else partials.sum(0)
@@ -353,7 +360,7 @@ def static_cases() -> Iterator[StaticCase]:
             yield StaticCase("bee_bwd", _bee_bwd_kernel,
                              dict(g_ptr=p, order_ptr="*i64", keys_ptr="*i16", bounds_ptr="*i64", tail_ptr="*i32",
                                   weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", part_ptr="*fp32",
-                                  HALF="i32", entries_per_slice="i32"),
+                                  HALF="i32", entries_per_slice="i32", parts="i32"),
                              dict(MODE=mode, **const), warps, stages, tags={"dtype": dt},
                              divisible=("order_ptr", "keys_ptr", "bounds_ptr", "tail_ptr", "weight_ptr", "cos_ptr",
                                         "sin_ptr", "part_ptr", "entries_per_slice"))

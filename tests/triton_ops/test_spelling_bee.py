@@ -105,18 +105,19 @@ def test_every_launch_configuration_is_run():
 @pytest.mark.parametrize("dtype,mode", sorted({key[:2] for key in _configurations("bee_bwd")}))
 def test_launch_configuration_matches_float64(dtype, mode, monkeypatch):
     """Every configuration in its own dtype against the float64 truth. Backward (one
-    configuration per dtype and mode): 40 tokens in slices of 16 (three slices, the last
-    ragged; several parts and chunks each), 20 pairs (two column blocks, ragged), long byte
-    runs and chunks of many bytes. Forward: the same call runs its 32-pair tile; 12 and 70
-    pairs run the 16-pair tile and two 64-pair tiles."""
+    configuration per dtype and mode): 40 tokens in slices of 32 (two slices, the last
+    ragged), two parts per slice, 70 pairs (three column blocks, ragged), byte runs longer
+    than a 64-entry chunk and chunks of many bytes. Forward: the same call runs two 64-pair
+    tiles; 12 and 20 pairs run the 16- and 32-pair tiles."""
     bee_ops = import_module("laminae.triton_ops.spelling_bee")  # the package attribute is the function
-    monkeypatch.setattr(bee_ops, "BWD_ROWS_PER_SLICE", 16)
+    monkeypatch.setattr(bee_ops, "BWD_ROWS_PER_SLICE", 32)
+    monkeypatch.setattr(bee_ops, "BWD_ENTRIES_PER_PART", 256)
     pad_mode, mode_name = _VARIANT_OF_MODE[mode]
     dt = _DTYPES[dtype]
     op = _with(spelling_bee, pad_mode=pad_mode, mode=mode_name, byte_position_offset=1)
     ref = _with(spelling_bee_reference, pad_mode=pad_mode, mode=mode_name, byte_position_offset=1)
     for half in _HALF_FOR_BLOCK_J.values():
-        grads = GRADS if half == _HALF_FOR_BLOCK_J[32] else []
+        grads = GRADS if half == _HALF_FOR_BLOCK_J[64] else []
         assert_matches_float64(op, ref, _config_inputs(dt, half), grads)
 
 
