@@ -129,6 +129,59 @@ def test_launch_configuration_matches_float64(dtype, knots, rank):
                            exact_names=("out0", "dy0t"))
 
 
+def _pieces(x, n, rounding):
+    """x in n bf16 pieces, each rounded from the remainder (as _split3 forms them)."""
+    out = []
+    for _ in range(n):
+        piece = rounding(x)
+        out.append(piece)
+        x = x - piece
+    return out + [torch.zeros_like(x)] * (3 - n)
+
+
+def _nearest(x):            # the GPU's fp32 → bf16 conversion
+    return x.to(torch.bfloat16).float()
+
+
+def _truncated(x):          # the interpreter's
+    return (x.view(torch.int32) & -65536).view(torch.float32)
+
+
+@pytest.mark.parametrize("rounding", [_nearest, _truncated], ids=["round_to_nearest", "truncate"])
+def test_bf16x6_products_keep_m_within_the_float64_bound(rounding):
+    """The kernels' φ = Σ_g B_g + B·wd with B·wd in six bf16 products of three-piece operands,
+    emulated in torch with the GPU's rounding (nearest) and the interpreter's (truncation):
+    M over NeoLLM's 128 seed dims stays within the float64-truth bound (relative RMSE 2e-5)
+    and as close as plain fp32. One bf16 product (the pieces dropped) is far outside it."""
+    from laminae.primitives.leviathan import leviathan_basis, leviathan_knot_grid
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, dims, knots, rank = 32, 128, 16, 64
+    basis = leviathan_basis(torch.rand(tokens, dims, generator=gen, dtype=torch.float64),
+                            leviathan_knot_grid(knots, torch.float64))                     # [U, d, κ]
+    wd = 0.1 * torch.randn(dims, knots, rank, generator=gen, dtype=torch.float64)
+
+    def m_of(phi):
+        return torch.where((phi < 0).sum(1) % 2 == 1, -1.0, 1.0) * torch.exp(torch.log(phi.abs() + 1e-9).sum(1))
+
+    truth = m_of(basis.sum(-1, keepdim=True) + torch.einsum("udg,dgq->udq", basis, wd))
+
+    def rel(phi):
+        m = m_of(phi.double())
+        return float((m - truth).norm() / truth.norm())
+
+    b32, w32 = basis.float(), wd.float()
+    bp, wp = _pieces(b32, 3, rounding), _pieces(w32, 3, rounding)
+    products = [(0, 2), (2, 0), (1, 1), (0, 1), (1, 0), (0, 0)]       # small ones first, as _dot6
+    phi = b32.sum(-1, keepdim=True).expand(tokens, dims, rank).clone()
+    for i, j in products:
+        phi += torch.einsum("udg,dgq->udq", bp[i], wp[j])
+    plain = b32.sum(-1, keepdim=True) + torch.einsum("udg,dgq->udq", b32, w32)
+    one_product = b32.sum(-1, keepdim=True) + torch.einsum("udg,dgq->udq", bp[0], wp[0])
+    assert rel(phi) < 2e-5 and rel(phi) < 3 * rel(plain) + 1e-7
+    assert rel(one_product) > 2e-5
+
+
 def test_distinct_ids_is_a_sync_free_unique():
     flat = torch.tensor([5, 3, 5, 9, 3, 3, 0], device=DEVICE)
     uniq, slot, count = distinct_ids(flat, 7)
