@@ -41,7 +41,9 @@ def test_leviathan(benchmark, provider, mode, tokens, distribution):
     h, d, knots, rank = inputs["head_spline_delta"].shape
     hidden = inputs["head_out_weight"].shape[-1]
     # per token, forward: projection, dense basis·coefficient products, output projection
-    # (the backward forms two products per forward one)
+    # (the backward forms two products per forward one). These are the mechanism's FLOPs;
+    # the kernels spend 3 (forward) and 12 (backward) bf16 tensor-core products per fp32
+    # basis·coefficient product to keep fp32 accuracy (docs/benchmarks.md).
     fwd = tokens * (2 * h * d * d + 2 * h * d * knots * rank + 2 * h * rank * hidden)
     flops = by_mode(fwd, 3 * fwd)
     run_benchmark(benchmark, name="leviathan", provider=provider, mode=mode, op=leviathan,

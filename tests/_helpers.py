@@ -38,3 +38,55 @@ def host_reads(fn) -> int:
     with Count():
         fn()
     return Count.n
+
+
+# Relative RMSE of an op against its reference run in float64, per input dtype: fp32 is the
+# op's own rounding (the bound ``parity_float64`` uses); bf16/fp16 allow one rounding of each
+# result to the dtype (RMS 2⁻⁸/√3 and 2⁻¹¹/√3 of a value), with margin.
+FLOAT64_REL_RMSE = {torch.float32: public.FLOAT64_REL_RMSE, torch.float16: 5e-4, torch.bfloat16: 4e-3}
+
+
+def assert_matches_float64(op, reference, inputs, grad_names, *, dtype=None, exact_names=(), conditioning=None,
+                           seed: int = 0):
+    """Judge ``op`` against ``reference`` run in float64 (the truth), not against an fp32 run:
+    every output and gradient by relative RMSE over the tensor (``FLOAT64_REL_RMSE`` of the
+    inputs' dtype, with ``parity_float64``'s absolute floor), and the outputs of an fp32 op
+    element-wise as well (fp32 forward tolerance). Gradients are not checked element-wise:
+    a gradient that sums many tokens gives a small element the absolute rounding error of
+    its large neighbours, in an fp32 reference as much as in the op. ``dtype`` (default:
+    the first floating input's) picks the bound; ``exact_names`` ("out0", "dx", ...) are
+    results returned in fp32 whatever that dtype, held to the fp32 bound.
+
+    ``conditioning=K`` (for property tests that draw ill-conditioned cases) also runs the
+    reference on the inputs as given and lets a gradient be up to K times as far from the
+    truth as that run is: where a gradient is tiny next to the terms it cancels (a
+    LayerNorm over two seed dims), no fp32 computation holds the fixed bound."""
+    from laminae.triton_ops._parity import _run, compare
+
+    dtype = dtype or next(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
+    out_a, grad_a, up = _run(op, inputs, grad_names, None, seed, None)
+    out_b, grad_b, _ = _run(reference, inputs, grad_names, up, seed, torch.float64)
+    grad_c = _run(reference, inputs, grad_names, up, seed, None)[1] if conditioning else {}
+    pairs = [(f"out{i}", a, b, None) for i, (a, b) in enumerate(zip(out_a, out_b))
+             if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    pairs += [(f"d{k}", grad_a.get(k), grad_b.get(k), grad_c.get(k)) for k in grad_names]
+    failures = []
+    for name, a, b, c in pairs:
+        if a is None or b is None:
+            if a is not b:
+                failures.append(f"{name}: one side has no gradient")
+            continue
+        a64, b64 = a.detach().double(), b.detach().double()
+        bound_rel = FLOAT64_REL_RMSE[torch.float32 if name in exact_names else dtype]
+        err, ref = float(torch.linalg.vector_norm(a64 - b64)), float(torch.linalg.vector_norm(b64))
+        bound = bound_rel * ref + public.FLOAT64_ABS_RMS * max(1, b64.numel()) ** 0.5
+        if c is not None:
+            bound = max(bound, conditioning * float(torch.linalg.vector_norm(c.detach().double() - b64)))
+        if not err <= bound:
+            failures.append(f"{name}: ‖a−b‖ = {err:.3e} > {bound:.3e} (relative RMSE {err / max(ref, 1e-30):.3e}, "
+                            f"bound {bound_rel})")
+        if name.startswith("out") and dtype == torch.float32:
+            cmp = compare(name, a, b, *public.tolerance(torch.float32, "fwd"))
+            if not cmp.ok:
+                failures.append(f"{name} element-wise: {cmp.detail}")
+    assert not failures, "op differs from the float64 truth:\n" + "\n".join(failures)

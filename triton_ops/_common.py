@@ -14,9 +14,10 @@ import triton
 # when a kernel is defined, so setting it later has no effect (resolve_backend says so).
 INTERPRET_AT_IMPORT = os.environ.get("TRITON_INTERPRET", "0") == "1"
 if INTERPRET_AT_IMPORT:
-    from ._interpreter import patch_interpreter_bf16
+    from ._interpreter import patch_interpreter_bf16, patch_interpreter_nested_calls
 
     patch_interpreter_bf16()
+    patch_interpreter_nested_calls()
 
 # Tests flip this so every fresh output starts as NaN: an element a kernel forgets
 # to write then fails the comparison instead of passing on leftover memory.

@@ -1,4 +1,4 @@
-"""Spelling Bee kernels: fused gather–rotate–average forward, deterministic scatter backward.
+"""Spelling Bee kernels: fused gather–rotate–average forward, deterministic sorted-segment backward.
 
 Forward ``_bee_fwd_kernel``, grid (N/BLOCK_T, (d/2)/BLOCK_J): each program takes BLOCK_T
 tokens and BLOCK_J rotary pairs (columns j and j + d/2). For each of the 16 slots it
@@ -8,17 +8,23 @@ accumulates in fp32; then writes ½·(e_tok + s), with s = NaN for an id outside
 (the tables are never read at such an id). Memory-bound: ``byte_embed`` is 256
 rows and stays in L2, so the traffic is ids, e_tok and the output.
 
-Backward ``_bee_bwd_kernel``: d byte_embed[c] = ½·Σ_{n,i: code(n,i)=c} w(n,i)·R_{−p_i}·g_n.
-Instead of scattering N·16 rows into 256 rows with atomics (a contention hot spot on
-byte 0 and common letters, and not deterministic in fp32), each program owns a block
-of BLOCK_C byte values × BLOCK_J pairs and a slice of the tokens, and reduces with
-tensor-core matmuls: for a chunk of BLOCK_N tokens and slot i it builds, in registers
-only, the [BLOCK_C, BLOCK_N] indicator (code(n, i) == c)·w(n, i) and multiplies it with
-the rotated-back gradient chunk R_{−p_i}·g ([BLOCK_N, BLOCK_J] per half). Each output
-element is owned by exactly one program per token slice; the slices' fp32 partials
-[S, 256, d] are summed in torch in a fixed order. The result is bitwise reproducible.
-The matmul does 2·256·16·N·d FLOPs (69 GFLOP at N = 16k, d = 512: tensor-core work
-for bf16); no sort, no data-dependent shape, no host sync.
+Backward: d byte_embed[c] = ½·Σ_{n,i: code(n,i)=c} w(n,i)·R_{−p_i}·g_n is a segmented sum
+of N·16 rotated gradient rows into 256 rows. Scattering them with atomics is a contention
+hot spot (byte 0, common letters) and not reproducible in fp32; a dense 256-way indicator
+matmul costs 2·256·16·N·d FLOPs for it. Instead (the sorted-segments idea of Engram's
+table gradient, here with 256 long segments rather than many short ones) torch sorts each
+token slice's (token, slot) entries by byte (int16 keys, stable, static shapes:
+``_sorted_entries``) and ``_bee_bwd_kernel``, grid (slices, parts, (d/2)/BLOCK_J), walks
+one part of a slice — a run of whole bytes — in chunks of BLOCK_E entries: gathers the
+gradient rows, rotates them back with the slot's cos/sin, and sums each byte in sorted
+order (a chunk inside one byte's run is one masked sum; a chunk with several bytes takes
+one step per byte), then stores each byte's row once. Every row of a slice's fp32
+partial [slices, 256, d] is written by one program at most (the rest stay zero); torch
+sums the slices in a fixed order. The result is bitwise reproducible. Entries that add
+nothing are never read: ids outside [0, V), zero-weight pads (modes 1 and 2), and in
+mode 0 a token's trailing run of byte-0 slots becomes one entry whose rotation is the
+run's summed cos/sin. About 10 FLOPs per live entry and column instead of 512; bytes:
+each live entry's gradient row from L2, the sort, and the partials (docs/mechanisms).
 
 ``d e_tok = ½·g`` is a scale left to torch (also for out-of-range ids: their NaN comes from
 s, which adds nothing to the byte table's gradient). Saved for backward: nothing but the ids
@@ -36,17 +42,19 @@ from torch.library import triton_op, wrap_triton
 from laminae.primitives._errors import ConfigError, DTypeError
 from laminae.primitives.spelling_bee import MODES, PAD_MODES, SLOTS, spelling_bee_rotary
 
-from ._common import StaticCase, dot_precision, empty, triton_dtype
+from ._common import StaticCase, empty, triton_dtype
 
 __all__ = ["spelling_bee", "spelling_bee_op"]
 
 FWD_BLOCK_T, FWD_BLOCK_J, FWD_WARPS = 32, 64, 8
-BWD_BLOCK_C, BWD_BLOCK_J = 64, 64
-# tokens per tl.dot step (the K dimension): 64 on bf16/fp16 tensor cores; fp32 products
-# in "ieee" precision run on the FMA units, where a 64-deep step spills registers (sm_90)
-BWD_BLOCK_N = {"fp32": 16, "bf16": 64, "fp16": 64}
-# tokens per backward program slice: enough work per program, enough programs per GPU
-BWD_ROWS_PER_SLICE = 2048
+# Backward: sorted (token, slot) entries per step × rotary pairs per program
+BWD_BLOCK_E, BWD_BLOCK_J, BWD_WARPS = 64, 32, 4
+# tokens per backward slice: each slice is sorted on its own (int16 byte keys) and writes
+# one [256, d] fp32 partial, summed in torch
+BWD_ROWS_PER_SLICE = 8192
+# programs per slice and column block, each a run of whole bytes: enough programs in flight
+# to hide the latency of the dependent gathers, none for tiny inputs
+BWD_PARTS, BWD_ENTRIES_PER_PART = 16, 2048
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -105,61 +113,145 @@ def _bee_fwd_kernel(ids_ptr, etok_ptr, emb_ptr, bytes_ptr, len_ptr, cos_ptr, sin
 
 
 @triton.jit
-def _bee_bwd_kernel(ids_ptr, g_ptr, bytes_ptr, len_ptr, cos_ptr, sin_ptr, part_ptr, N, V, HALF, rows_per_slice,
-                    SLOTS: tl.constexpr, MODE: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_J: tl.constexpr, PRECISION: tl.constexpr):
-    pid_c = tl.program_id(0)
-    pid_j = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    byte_vals = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+def _bee_bwd_kernel(g_ptr, order_ptr, keys_ptr, bounds_ptr, tail_ptr, weight_ptr, cos_ptr, sin_ptr, part_ptr,
+                    HALF, entries_per_slice, parts, MODE: tl.constexpr, BLOCK_E: tl.constexpr,
+                    BLOCK_J: tl.constexpr):
+    """One part of a token slice × BLOCK_J rotary pairs: a run of whole bytes of the slice's
+    (token, slot) entries sorted by byte, summed byte by byte in sorted order (a segmented
+    sum; no atomics, fixed order). Each byte is stored once, when the walk leaves it."""
+    pid_s = tl.program_id(0)
+    pid_p = tl.program_id(1)
+    pid_j = tl.program_id(2)
     cols = pid_j * BLOCK_J + tl.arange(0, BLOCK_J)
     col_mask = cols < HALF
     d = 2 * HALF
-    start = pid_s * rows_per_slice
-    end = tl.minimum(start + rows_per_slice, N)
-    acc_lo = tl.zeros((BLOCK_C, BLOCK_J), dtype=tl.float32)
-    acc_hi = tl.zeros((BLOCK_C, BLOCK_J), dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        tok = tl.load(ids_ptr + rows, mask=rows < end, other=0).to(tl.int64)
-        valid = (rows < end) & (tok >= 0) & (tok < V)
-        n_real = tl.load(len_ptr + tok, mask=valid, other=0).to(tl.float32)
-        gmask = valid[:, None] & col_mask[None, :]
-        offs = rows[:, None] * d + cols[None, :]
-        g_lo = tl.load(g_ptr + offs, mask=gmask, other=0.0).to(tl.float32)
-        g_hi = tl.load(g_ptr + offs + HALF, mask=gmask, other=0.0).to(tl.float32)
-        for slot in range(SLOTS):
-            # code -1 for masked tokens never equals a byte value
-            code = tl.load(bytes_ptr + tok * SLOTS + slot, mask=valid, other=-1).to(tl.int32)
-            w = _slot_weight(n_real, slot, SLOTS, MODE)
-            hit = code[None, :] == byte_vals[:, None]
-            if MODE == 0:
-                # constant weight: an exact 0/1 indicator, the 1/16 is applied once at the end
-                ind = tl.where(hit, 1.0, 0.0)
+    first = tl.load(bounds_ptr + pid_s * (parts + 1) + pid_p)
+    live_end = tl.load(bounds_ptr + pid_s * (parts + 1) + pid_p + 1)
+    slice_base = pid_s.to(tl.int64) * entries_per_slice  # positions in the slice, entries global
+    keys_ptr += slice_base
+    order_ptr += slice_base
+    part = part_ptr + pid_s.to(tl.int64) * 256 * d
+    scale = 0.5 if MODE == 2 else 0.5 / 16
+    row = -1                                            # the byte being summed
+    acc_lo = tl.zeros([BLOCK_J], dtype=tl.float32)
+    acc_hi = tl.zeros([BLOCK_J], dtype=tl.float32)
+    for e0 in range(first, live_end, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        in_range = e < live_end
+        key = tl.load(keys_ptr + e, mask=in_range, other=256).to(tl.int32)
+        entry = slice_base + tl.load(order_ptr + e, mask=in_range, other=0)
+        tok = entry // 16
+        slot = (entry % 16).to(tl.int32)
+        if MODE == 0:
+            # the first slot of a token's trailing run of byte-0 slots stands for the whole run:
+            # its rotation is the run's summed cos/sin (rows 16 + slot of the tables)
+            tail = tl.load(tail_ptr + tok, mask=in_range, other=16)
+            slot = tl.where(slot < tail, slot, 16 + slot)
+        m2 = in_range[:, None] & col_mask[None, :]
+        c = tl.load(cos_ptr + slot[:, None] * HALF + cols[None, :], mask=m2, other=0.0)
+        s = tl.load(sin_ptr + slot[:, None] * HALF + cols[None, :], mask=m2, other=0.0)
+        g_row = g_ptr + tok[:, None] * d + cols[None, :]
+        g_lo = tl.load(g_row, mask=m2, other=0.0).to(tl.float32)
+        g_hi = tl.load(g_row + HALF, mask=m2, other=0.0).to(tl.float32)
+        # R_{-p}: (x, y) -> (x·cos + y·sin, y·cos − x·sin)
+        v_lo = g_lo * c + g_hi * s
+        v_hi = g_hi * c - g_lo * s
+        if MODE == 2:
+            w = tl.load(weight_ptr + tok, mask=in_range, other=0.0)[:, None]
+            v_lo = v_lo * w
+            v_hi = v_hi * w
+        # the chunk's bytes in increasing order; a chunk inside one long byte run takes one step
+        k = tl.min(key, axis=0)
+        k_last = tl.max(tl.where(in_range, key, -1), axis=0)
+        while k <= k_last:
+            hit = (key == k)[:, None]
+            p_lo = tl.sum(tl.where(hit, v_lo, 0.0), axis=0)
+            p_hi = tl.sum(tl.where(hit, v_hi, 0.0), axis=0)
+            if k > row:
+                # the walk left byte `row`: its sum is complete (stores inline: the
+                # interpreter pays for every nested @triton.jit call)
+                if row >= 0:
+                    tl.store(part + row * d + cols, acc_lo * scale, mask=col_mask)
+                    tl.store(part + row * d + HALF + cols, acc_hi * scale, mask=col_mask)
+                row = k
+                acc_lo = p_lo
+                acc_hi = p_hi
             else:
-                ind = tl.where(hit, w[None, :], 0.0)
-            c = tl.load(cos_ptr + slot * HALF + cols, mask=col_mask, other=0.0)[None, :]
-            s = tl.load(sin_ptr + slot * HALF + cols, mask=col_mask, other=0.0)[None, :]
-            # R_{-p}: (x, y) -> (x·cos + y·sin, y·cos − x·sin)
-            r_lo = (g_lo * c + g_hi * s).to(g_ptr.dtype.element_ty)
-            r_hi = (g_hi * c - g_lo * s).to(g_ptr.dtype.element_ty)
-            ind = ind.to(g_ptr.dtype.element_ty)
-            acc_lo += tl.dot(ind, r_lo, input_precision=PRECISION)
-            acc_hi += tl.dot(ind, r_hi, input_precision=PRECISION)
-    scale = 0.5 / SLOTS if MODE == 0 else 0.5
-    pmask = (byte_vals < 256)[:, None] & col_mask[None, :]
-    poffs = pid_s.to(tl.int64) * 256 * d + byte_vals[:, None] * d + cols[None, :]
-    tl.store(part_ptr + poffs, acc_lo * scale, mask=pmask)
-    tl.store(part_ptr + poffs + HALF, acc_hi * scale, mask=pmask)
-
-
-def bwd_warps(dtype: str, block_j: int) -> int:
-    # fp32 at 32 pairs: ptxas caps 8 warps at 128 registers and spills; 4 warps fit in 167
-    return 4 if dtype == "fp32" and block_j == 32 else 8
+                acc_lo += p_lo
+                acc_hi += p_hi
+            k = tl.min(tl.where(key > k, key, 256), axis=0)
+    if row >= 0:
+        tl.store(part + row * d + cols, acc_lo * scale, mask=col_mask)
+        tl.store(part + row * d + HALF + cols, acc_hi * scale, mask=col_mask)
 
 
 def _block_j(half: int, cap: int) -> int:
     return min(cap, max(16, triton.next_power_of_2(half)))
+
+
+def bwd_config(dtype: str) -> tuple[dict, int, int]:
+    """(constexprs without MODE, num_warps, num_stages) of ``_bee_bwd_kernel``: the launch,
+    the static cases and the tests select through this function. One configuration for
+    every dtype and width: BLOCK_E sorted entries × BLOCK_J pairs (a 32-pair half row is
+    two 32-byte sectors in 16-bit, four in fp32)."""
+    return dict(BLOCK_E=BWD_BLOCK_E, BLOCK_J=BWD_BLOCK_J), BWD_WARPS, 2
+
+
+def bwd_parts(n: int) -> int:
+    """Programs per slice (and column block): one per BWD_ENTRIES_PER_PART entry slots of a
+    slice, at most BWD_PARTS (a runtime argument, not a compiled configuration)."""
+    return max(1, min(BWD_PARTS, min(n, BWD_ROWS_PER_SLICE) * SLOTS // BWD_ENTRIES_PER_PART))
+
+
+def _sorted_entries(ids: torch.Tensor, byte_ids: torch.Tensor, byte_len: torch.Tensor, mode_code: int,
+                    rows_per_slice: int, parts: int):
+    """The (token, slot) entries of the byte-table gradient, sorted by byte within each token
+    slice of ``rows_per_slice`` tokens.
+
+    A slice's keys are its entries' bytes (int16, so the radix sort has two passes), or 256
+    for an entry that adds nothing (an id outside [0, V); a zero-weight pad in modes 1 and 2;
+    in mode 0 the byte-0 slots of a token's trailing run after its first; the padding of
+    the last slice): those sort to the end and are never read. A stable sort keeps each
+    byte's entries in token order, so the sum has one fixed order. Each slice's live
+    entries are cut into ``parts`` runs of whole bytes of about equal length (a byte never
+    straddles two). Returns, per slice [slices, rows_per_slice·16]: the sorted keys and the
+    positions in the slice they came from; the part bounds [slices, parts + 1]; the
+    per-token tail (mode 0: first slot of the trailing byte-0 run) and weight (mode 2: 1/√n)."""
+    n = ids.numel()
+    vocab = byte_ids.shape[0]
+    valid = (ids >= 0) & (ids < vocab)
+    tok = torch.where(valid, ids, 0)
+    codes = byte_ids[tok].to(torch.int16)                                   # [N, 16]
+    slot = torch.arange(SLOTS, device=ids.device)
+    tail = weight = None
+    if mode_code == 0:
+        tail = ((codes != 0) * (slot + 1)).amax(-1).to(torch.int32)
+        live = slot <= tail[:, None]
+    else:
+        n_real = byte_len[tok].to(torch.int32)
+        live = slot < n_real[:, None]
+        if mode_code == 2:
+            weight = torch.rsqrt(n_real.clamp_min(1).to(torch.float32))
+    keys = torch.where(live & valid[:, None], codes, 256).to(torch.int16)
+    slices = triton.cdiv(n, rows_per_slice)
+    keys = torch.nn.functional.pad(keys, (0, 0, 0, slices * rows_per_slice - n), value=256)
+    sorted_keys, order = torch.sort(keys.view(slices, rows_per_slice * SLOTS), dim=1, stable=True)
+    live_end = torch.searchsorted(sorted_keys, torch.full((slices, 1), 256, dtype=torch.int16, device=ids.device))
+    per_part = rows_per_slice * SLOTS // parts
+    nominal = torch.minimum(torch.arange(parts, device=ids.device) * per_part, live_end)
+    # each part starts at the first entry of the byte under its nominal start
+    first_of_byte = torch.searchsorted(sorted_keys, sorted_keys.gather(1, nominal.clamp_max(sorted_keys.shape[1] - 1)))
+    bounds = torch.cat([torch.where(nominal < live_end, first_of_byte, live_end), live_end], dim=1)
+    return sorted_keys, order, bounds.contiguous(), tail, weight
+
+
+def _rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[32, d/2]: the 16 slot rotations, then their suffix sums Σ_{i' ≥ i} (summed in fp64,
+    rounded once) for mode 0's trailing byte-0 runs."""
+    def suffix(t):
+        return torch.flip(torch.cumsum(torch.flip(t.double(), [0]), 0), [0]).to(t.dtype)
+
+    return torch.cat([cos, suffix(cos)]).contiguous(), torch.cat([sin, suffix(sin)]).contiguous()
 
 
 @triton_op("laminae::spelling_bee", mutates_args=())
@@ -182,16 +274,25 @@ def _spelling_bee_bwd(g: torch.Tensor, ids: torch.Tensor, byte_ids: torch.Tensor
                       cos: torch.Tensor, sin: torch.Tensor, mode_code: int) -> torch.Tensor:
     n, d = g.shape
     half = d // 2
-    block_j = _block_j(half, BWD_BLOCK_J)
-    slices = max(1, triton.cdiv(n, BWD_ROWS_PER_SLICE))
-    block_n = BWD_BLOCK_N[triton_dtype(g.dtype)]
-    partials = empty((slices, 256, d), dtype=torch.float32, device=g.device)
-    wrap_triton(_bee_bwd_kernel)[(triton.cdiv(256, BWD_BLOCK_C), triton.cdiv(half, block_j), slices)](
-        ids, g, byte_ids, byte_len, cos, sin, partials, n, byte_ids.shape[0], half, BWD_ROWS_PER_SLICE,
-        SLOTS=SLOTS, MODE=mode_code, BLOCK_C=BWD_BLOCK_C, BLOCK_N=block_n, BLOCK_J=block_j,
-        PRECISION=dot_precision(g.dtype), num_warps=bwd_warps(triton_dtype(g.dtype), block_j),
+    if n == 0:
+        return torch.zeros((256, d), dtype=torch.float32, device=g.device)
+    const, warps, stages = bwd_config(triton_dtype(g.dtype))
+    parts = bwd_parts(n)
+    keys, order, bounds, tail, weight = _sorted_entries(ids, byte_ids, byte_len, mode_code, BWD_ROWS_PER_SLICE,
+                                                        parts)
+    cos2, sin2 = _rotation_tables(cos, sin)
+    slices = bounds.shape[0]
+    # rows of bytes a slice never saw stay zero
+    partials = torch.zeros((slices, 256, d), dtype=torch.float32, device=g.device)
+    # a mode's unused per-token table is never read; a tensor of its type stands in for it
+    if tail is None:
+        tail = torch.zeros(1, dtype=torch.int32, device=g.device)
+    wrap_triton(_bee_bwd_kernel)[(slices, parts, triton.cdiv(half, const["BLOCK_J"]))](
+        g, order, keys, bounds, tail, cos2 if weight is None else weight,
+        cos2, sin2, partials, half, BWD_ROWS_PER_SLICE * SLOTS, parts, MODE=mode_code, **const,
+        num_warps=warps, num_stages=stages,
     )
-    return partials.sum(0)
+    return partials[0] if slices == 1 else partials.sum(0)
 
 
 def _setup_context(ctx, inputs, output):
@@ -255,14 +356,16 @@ def static_cases() -> Iterator[StaticCase]:
                                  dict(ids_ptr="*i64", etok_ptr=p, emb_ptr=p, bytes_ptr="*i16", len_ptr="*i16",
                                       cos_ptr="*fp32", sin_ptr="*fp32", out_ptr=p, N="i32", V="i32", HALF="i32"),
                                  dict(SLOTS=SLOTS, MODE=mode, BLOCK_T=FWD_BLOCK_T, BLOCK_J=block_j), FWD_WARPS,
-                                 tags={"dtype": dt})
-                yield StaticCase("bee_bwd", _bee_bwd_kernel,
-                                 dict(ids_ptr="*i64", g_ptr=p, bytes_ptr="*i16", len_ptr="*i16", cos_ptr="*fp32",
-                                      sin_ptr="*fp32", part_ptr="*fp32", N="i32", V="i32", HALF="i32",
-                                      rows_per_slice="i32"),
-                                 dict(SLOTS=SLOTS, MODE=mode, BLOCK_C=BWD_BLOCK_C, BLOCK_N=BWD_BLOCK_N[dt],
-                                      BLOCK_J=block_j, PRECISION="ieee" if dt == "fp32" else "tf32"),
-                                 bwd_warps(dt, block_j), tags={"dtype": dt})
+                                 tags={"dtype": dt}, divisible=("cos_ptr", "sin_ptr", "out_ptr"))
+            const, warps, stages = bwd_config(dt)
+            # a gather and a segmented sum: no tl.dot, so no tensor-core instruction to expect
+            yield StaticCase("bee_bwd", _bee_bwd_kernel,
+                             dict(g_ptr=p, order_ptr="*i64", keys_ptr="*i16", bounds_ptr="*i64", tail_ptr="*i32",
+                                  weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", part_ptr="*fp32",
+                                  HALF="i32", entries_per_slice="i32", parts="i32"),
+                             dict(MODE=mode, **const), warps, stages, tags={"dtype": dt},
+                             divisible=("order_ptr", "keys_ptr", "bounds_ptr", "tail_ptr", "weight_ptr", "cos_ptr",
+                                        "sin_ptr", "part_ptr", "entries_per_slice"))
 
 
 def tour_case(device: torch.device):

@@ -52,3 +52,38 @@ def test_fp32_to_bf16_rounds_to_nearest_even():
     y = torch.empty(1, dtype=torch.bfloat16, device=DEVICE)
     _cast_kernel[(1,)](nan, y, 1)
     assert torch.isnan(y).all()
+
+
+@triton.jit
+def _halve(x):
+    return x * 0.5
+
+
+@triton.jit
+def _nested_kernel(x_ptr, out_ptr, steps, N: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, N))
+    acc = 0.0
+    for _ in range(steps):
+        acc += tl.sum(_halve(x), axis=0)          # a helper and a library jit function per step
+    tl.store(out_ptr, acc)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="interpreter behaviour")
+def test_nested_jit_calls_do_not_repatch_the_language(monkeypatch):
+    """A launch patches triton.language once; nested @triton.jit calls (helpers, tl.sum)
+    reuse it instead of re-patching it per call, and the language is restored after."""
+    from triton.runtime import interpreter
+
+    calls = []
+    original = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda *a: calls.append(1) or original(*a))
+    x = torch.arange(8, dtype=torch.float32)
+    out = torch.empty(1)
+    counts = []
+    for steps in (1, 6):
+        calls.clear()
+        _nested_kernel[(1,)](x, out, steps, 8)
+        counts.append(len(calls))
+        assert out.item() == steps * 14.0
+    assert counts[0] == counts[1]
+    assert tl.sum is interpreter.tl.standard.sum and not hasattr(tl.core.tensor, "__index__")

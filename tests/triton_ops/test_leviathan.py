@@ -5,9 +5,12 @@ from hypothesis import strategies as st
 
 from laminae.primitives import BackendUnavailableError, ConfigError, DTypeError, TokenIdError
 from laminae.primitives.leviathan import LeviathanGenerator, leviathan_reference
-from laminae.triton_ops.leviathan import distinct_ids, leviathan, leviathan_spline
+from laminae.triton_ops._common import triton_dtype
+from laminae.triton_ops._parity import _run, compare
+from laminae.triton_ops.leviathan import (bwd_config, distinct_ids, fwd_config, leviathan, leviathan_spline,
+                                          static_cases)
 
-from .._helpers import DEVICE, assert_parity, seeds
+from .._helpers import DEVICE, assert_matches_float64, assert_parity, seeds
 
 NAMES = ["codebooks", "head_proj_weight", "head_norm_weight", "head_norm_bias", "head_spline_delta", "head_out_weight"]
 
@@ -40,7 +43,23 @@ def test_kernel_matches_reference_fp32(batch, seq, vocab, coords, seed_dim, mode
     inp = _inputs(vocab, hidden, seed_dim, modes, knots, coords, rank, (batch, seq), id_pool=id_pool,
                   cb_scale=cb_scale, bias_scale=bias_scale, delta_std=delta_std, seed=seed)
     op = lambda **kw: leviathan(**kw, unique_ids=unique_ids)  # noqa: E731
-    assert_parity(op, leviathan_reference, inp, NAMES)
+    # one or two seed dims with a variance far above eps make the LayerNorm's gradient a
+    # small difference of large terms: the kernel's fused LayerNorm backward is then up to
+    # 25x as far from float64 as the fp32 reference (measured; both ~1e-4 relative)
+    assert_matches_float64(op, leviathan_reference, inp, NAMES, conditioning=32)
+
+
+def test_thorough_profile_example_is_judged_against_float64():
+    """A case the 1000-example profile drew: one d codebooks element 0.0500 where the fp32
+    reference says 0.0503. The float64 truth is 0.0500: the fp32 reference is itself outside
+    the element-wise bound there (the element inherits the accumulation error of its large
+    neighbours), so the kernel is judged against float64, tensor by tensor."""
+    inp = _inputs(157, 11, 8, 1, 17, 2, 128, (3, 17), id_pool=3, cb_scale=0.05, bias_scale=0.5, delta_std=0.1,
+                  seed=1848)
+    _, fp32, up = _run(leviathan_reference, inp, NAMES, None, 0, None)
+    _, truth, _ = _run(leviathan_reference, inp, NAMES, up, 0, torch.float64)
+    assert not compare("dcodebooks", fp32["codebooks"], truth["codebooks"], 1e-4, 1e-3).ok
+    assert_matches_float64(lambda **kw: leviathan(**kw, unique_ids=False), leviathan_reference, inp, NAMES)
 
 
 def test_kernel_matches_reference_with_two_layernorm_chunks():
@@ -54,6 +73,113 @@ def test_kernel_matches_reference_at_the_ends_of_the_knot_range():
     inp = _inputs(40, 8, 6, 2, 5, 2, 7, (2, 9), delta_std=0.3)
     inp["head_norm_bias"] = torch.tensor([5.0, -5.0, 6.0, -6.0, 0.0, 4.0], device=DEVICE).repeat(2, 1)
     assert_parity(leviathan, leviathan_reference, inp, NAMES)
+
+
+# A rank inside each rank tile (ragged); 100 spans two tiles of 64 (partial dx̂, dγ, dβ).
+_RANK_IN_TILE = {16: 11, 32: 27, 64: 100}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _config_runs() -> dict:
+    """One (dtype, κ, r) run per configuration the CUDA launch can pick (the static cases,
+    which every launch goes through), with the κ and r it is run at: ragged inside the tile."""
+    runs = {}
+    for case in static_cases():
+        if "rank" in case.tags:
+            run = (case.tags["dtype"], case.tags["knots"] - 3, _RANK_IN_TILE[min(64, case.tags["rank"])])
+            runs.setdefault(run, []).append((case.name, case.constexprs, case.num_warps, case.num_stages))
+    return runs
+
+
+def test_every_launch_configuration_has_a_run():
+    """The runs below select, through the launch's own functions, exactly the configurations
+    declared for the static check: a configuration added there is run here or this fails."""
+    for (dt, knots, rank), cases in _config_runs().items():
+        selected = {"leviathan_fwd": fwd_config(knots, rank, dt), "leviathan_bwd_spline": bwd_config(knots, rank, dt)}
+        for name, const, warps, stages in cases:
+            assert selected[name] == (const, warps, stages), (name, dt, knots, rank)
+
+
+def _spline_truth(y0t, gamma, beta, wd, grid):
+    """The spline chain of one mode by the reference: a seed equal to y0 (one digit, identity
+    projection) and an identity output map, so the output is M [U, r]."""
+    d, n = y0t.shape[1:]
+    eye_d = torch.eye(d, dtype=y0t.dtype, device=y0t.device)[None]
+    eye_r = torch.eye(wd.shape[-1], dtype=y0t.dtype, device=y0t.device)[None]
+    ids = torch.arange(n, device=y0t.device)
+    return leviathan_reference(ids, y0t.transpose(1, 2), eye_d, gamma, beta, wd, eye_r, grid)
+
+
+@pytest.mark.parametrize("dtype,knots,rank", sorted(_config_runs()))
+def test_launch_configuration_matches_float64(dtype, knots, rank):
+    """Each configuration in its own dtype (bf16/fp16 wd take fewer bf16 pieces) on 77 tokens
+    (two 64-token tiles, ragged), 3 seed dims (two groups when a program takes two) and κ, r
+    ragged inside their tiles. M and dy0 are fp32 results, held to fp32 accuracy in every
+    dtype; dγ, dβ, d wd come back in the parameters' dtype."""
+    torch.manual_seed(0)
+    dt = _DTYPES[dtype]
+    inputs = {"y0t": torch.randn(1, 3, 77, device=DEVICE),
+              "gamma": (1 + 0.2 * torch.randn(1, 3, device=DEVICE)).to(dt),
+              "beta": (0.5 * torch.randn(1, 3, device=DEVICE)).to(dt),
+              "wd": (0.3 * torch.randn(1, 3, knots, rank, device=DEVICE)).to(dt),
+              "grid": torch.linspace(0, 1, knots, device=DEVICE)}
+    count = torch.tensor([77], dtype=torch.int32, device=DEVICE)
+    op = lambda y0t, gamma, beta, wd, grid: leviathan_spline(y0t, gamma, beta, wd, grid, count)[0]  # noqa: E731
+    assert_matches_float64(op, _spline_truth, inputs, ["y0t", "gamma", "beta", "wd"], dtype=dt,
+                           exact_names=("out0", "dy0t"))
+
+
+def _pieces(x, n, rounding):
+    """x in n bf16 pieces, each rounded from the remainder (as _split3 forms them)."""
+    out = []
+    for _ in range(n):
+        piece = rounding(x)
+        out.append(piece)
+        x = x - piece
+    return out + [torch.zeros_like(x)] * (3 - n)
+
+
+def _nearest(x):            # the GPU's fp32 → bf16 conversion
+    return x.to(torch.bfloat16).float()
+
+
+def _truncated(x):          # the interpreter's
+    return (x.view(torch.int32) & -65536).view(torch.float32)
+
+
+@pytest.mark.parametrize("rounding", [_nearest, _truncated], ids=["round_to_nearest", "truncate"])
+def test_bf16x6_products_keep_m_within_the_float64_bound(rounding):
+    """The kernels' φ = Σ_g B_g + B·wd with B·wd in six bf16 products of three-piece operands,
+    emulated in torch with the GPU's rounding (nearest) and the interpreter's (truncation):
+    M over NeoLLM's 128 seed dims stays within the float64-truth bound (relative RMSE 2e-5)
+    and as close as plain fp32. One bf16 product (the pieces dropped) is far outside it."""
+    from laminae.primitives.leviathan import leviathan_basis, leviathan_knot_grid
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, dims, knots, rank = 32, 128, 16, 64
+    basis = leviathan_basis(torch.rand(tokens, dims, generator=gen, dtype=torch.float64),
+                            leviathan_knot_grid(knots, torch.float64))                     # [U, d, κ]
+    wd = 0.1 * torch.randn(dims, knots, rank, generator=gen, dtype=torch.float64)
+
+    def m_of(phi):
+        return torch.where((phi < 0).sum(1) % 2 == 1, -1.0, 1.0) * torch.exp(torch.log(phi.abs() + 1e-9).sum(1))
+
+    truth = m_of(basis.sum(-1, keepdim=True) + torch.einsum("udg,dgq->udq", basis, wd))
+
+    def rel(phi):
+        m = m_of(phi.double())
+        return float((m - truth).norm() / truth.norm())
+
+    b32, w32 = basis.float(), wd.float()
+    bp, wp = _pieces(b32, 3, rounding), _pieces(w32, 3, rounding)
+    products = [(0, 2), (2, 0), (1, 1), (0, 1), (1, 0), (0, 0)]       # small ones first, as _dot6
+    phi = b32.sum(-1, keepdim=True).expand(tokens, dims, rank).clone()
+    for i, j in products:
+        phi += torch.einsum("udg,dgq->udq", bp[i], wp[j])
+    plain = b32.sum(-1, keepdim=True) + torch.einsum("udg,dgq->udq", b32, w32)
+    one_product = b32.sum(-1, keepdim=True) + torch.einsum("udg,dgq->udq", bp[0], wp[0])
+    assert rel(phi) < 2e-5 and rel(phi) < 3 * rel(plain) + 1e-7
+    assert rel(one_product) > 2e-5
 
 
 def test_distinct_ids_is_a_sync_free_unique():

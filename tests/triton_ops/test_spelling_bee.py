@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 from laminae.primitives import BackendUnavailableError, DTypeError, TokenIdError
 from laminae.primitives.spelling_bee import (SpellingBeeEmbedding, byte_table_from_strings, spelling_bee_reference,
                                              spelling_bee_rotary)
-from laminae.triton_ops.spelling_bee import _mode_code, spelling_bee, spelling_bee_op
+from laminae.triton_ops.spelling_bee import (FWD_BLOCK_J, MODES, PAD_MODES, _block_j, _mode_code, bwd_config,
+                                             spelling_bee, spelling_bee_op, static_cases)
 
-from .._helpers import DEVICE, assert_parity, scales, seeds
+from .._helpers import DEVICE, assert_matches_float64, assert_parity, scales, seeds
 
 GRADS = ["token_embeddings", "byte_embed"]
 VARIANTS = [("embed", "mean"), ("zero", "mean"), ("embed", "masked_sqrt")]
@@ -46,7 +47,8 @@ def test_kernel_matches_reference_fp32(batch, seq, vocab, half, variant, offset,
     pad_mode, mode = variant
     inp = _inputs((batch, seq), vocab, 2 * half, scale, seed, alphabet=alphabet)
     opts = dict(pad_mode=pad_mode, mode=mode, byte_position_offset=offset)
-    assert_parity(_with(spelling_bee, **opts), _with(spelling_bee_reference, **opts), inp, GRADS)
+    assert_matches_float64(_with(spelling_bee, **opts), _with(spelling_bee_reference, **opts), inp, GRADS,
+                           conditioning=4)
 
 
 def test_spec_worked_example_on_the_kernel():
@@ -59,13 +61,64 @@ def test_spec_worked_example_on_the_kernel():
     torch.testing.assert_close(out.cpu(), torch.tensor([[0.13125, -0.1687516, 0.0, 0.5003125]]), atol=1e-7, rtol=0)
 
 
-def test_many_slices_and_long_rows(monkeypatch):
-    """Several backward token slices (partials summed in torch) and d/2 over one column block."""
-    bee_ops = import_module("laminae.triton_ops.spelling_bee")  # the package attribute is the function
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_VARIANT_OF_MODE = {_mode_code(pad_mode, mode): (pad_mode, mode) for pad_mode in PAD_MODES for mode in MODES}
+_HALF_FOR_BLOCK_J = {16: 12, 32: 20, 64: 70}      # ragged inside the tile; 70 spans two of 64
 
-    monkeypatch.setattr(bee_ops, "BWD_ROWS_PER_SLICE", 64)
-    inp = _inputs((1, 150), 40, 2 * 70, 1.0, 7)
-    assert_parity(spelling_bee, spelling_bee_reference, inp, GRADS)
+
+def _configurations(name):
+    return {(c.tags["dtype"], c.constexprs["MODE"], c.constexprs.get("BLOCK_J")): c for c in static_cases()
+            if c.name == name}
+
+
+def _mixed_table(vocab, gen):
+    """Words mostly of two letters (byte runs longer than a 64-entry chunk) and some of any
+    byte (chunks holding many bytes); lengths 0 to 20."""
+    words = []
+    for v in range(vocab):
+        k = int(torch.randint(0, 21, (1,), generator=gen))
+        letters = torch.randint(97, 99, (k,), generator=gen) if v % 3 else torch.randint(0, 256, (k,), generator=gen)
+        words.append(bytes(letters.tolist()))
+    return byte_table_from_strings(words)
+
+
+def _config_inputs(dtype, half, tokens=40):
+    gen = torch.Generator().manual_seed(5)
+    byte_ids, byte_len = _mixed_table(30, gen)
+    ids = torch.randint(0, 30, (tokens,), generator=gen)
+    return {"input_ids": ids.to(DEVICE), "token_embeddings": torch.randn(tokens, 2 * half, generator=gen).to(DEVICE, dtype),
+            "byte_embed": torch.randn(256, 2 * half, generator=gen).to(DEVICE, dtype),
+            "byte_ids": byte_ids.to(DEVICE), "byte_len": byte_len.to(DEVICE)}
+
+
+def test_every_launch_configuration_is_run():
+    """The runs below select, through the launch's own functions, every configuration the
+    static check declares: a configuration added there is run here or this fails."""
+    fwd, bwd = _configurations("bee_fwd"), _configurations("bee_bwd")
+    assert {(dt, mode, _block_j(half, FWD_BLOCK_J)) for dt, mode, _ in bwd for half in _HALF_FOR_BLOCK_J.values()} \
+        == set(fwd)
+    for (dt, mode, _), case in bwd.items():
+        const, warps, stages = bwd_config(dt)
+        assert (case.constexprs, case.num_warps, case.num_stages) == ({"MODE": mode, **const}, warps, stages)
+
+
+@pytest.mark.parametrize("dtype,mode", sorted({key[:2] for key in _configurations("bee_bwd")}))
+def test_launch_configuration_matches_float64(dtype, mode, monkeypatch):
+    """Every configuration in its own dtype against the float64 truth. Backward (one
+    configuration per dtype and mode): 40 tokens in slices of 32 (two slices, the last
+    ragged), two parts per slice, 70 pairs (three column blocks, ragged), byte runs longer
+    than a 64-entry chunk and chunks of many bytes. Forward: the same call runs two 64-pair
+    tiles; 12 and 20 pairs run the 16- and 32-pair tiles."""
+    bee_ops = import_module("laminae.triton_ops.spelling_bee")  # the package attribute is the function
+    monkeypatch.setattr(bee_ops, "BWD_ROWS_PER_SLICE", 32)
+    monkeypatch.setattr(bee_ops, "BWD_ENTRIES_PER_PART", 256)
+    pad_mode, mode_name = _VARIANT_OF_MODE[mode]
+    dt = _DTYPES[dtype]
+    op = _with(spelling_bee, pad_mode=pad_mode, mode=mode_name, byte_position_offset=1)
+    ref = _with(spelling_bee_reference, pad_mode=pad_mode, mode=mode_name, byte_position_offset=1)
+    for half in _HALF_FOR_BLOCK_J.values():
+        grads = GRADS if half == _HALF_FOR_BLOCK_J[64] else []
+        assert_matches_float64(op, ref, _config_inputs(dt, half), grads)
 
 
 def test_unchecked_out_of_range_ids_give_the_reference_nan_rows():
