@@ -93,9 +93,10 @@ def _load_rows(base, rows, keep, cols, col_ok, row_stride):
 
 
 @triton.jit
-def _inv_rms(k32, keep, D, eps):
-    """ρ = (mean k² + eps)^(−1/2) per row of an fp32 tile; 0 where the row is not kept."""
-    return tl.where(keep, 1.0 / tl.sqrt(tl.reduce(k32 * k32, 1, _sum_combine) / D + eps), 0.0)
+def _inv_rms(k32, keep, head_dim, eps):
+    """ρ = (mean k² + eps)^(−1/2) per row of an fp32 tile (zero-padded columns past
+    ``head_dim`` add nothing); 0 where the row is not kept."""
+    return tl.where(keep, 1.0 / tl.sqrt(tl.reduce(k32 * k32, 1, _sum_combine) / head_dim + eps), 0.0)
 
 
 @triton.jit
@@ -141,8 +142,8 @@ def _triangular_inverse(t, n_rows, BLOCK: tl.constexpr, SUB: tl.constexpr, LEVEL
     return x
 
 
-@triton.jit
-def _lucid_prep_kernel(k_ptr, mask_ptr, rho_ptr, linv_ptr, N, HKV, D, eps, scale, shift,
+@triton.jit(do_not_specialize=["N", "HKV", "head_dim"])
+def _lucid_prep_kernel(k_ptr, mask_ptr, rho_ptr, linv_ptr, N, HKV, D, head_dim, eps, scale, shift,
                        HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
                        SUB: tl.constexpr, LEVELS: tl.constexpr, PRECISION: tl.constexpr,
                        INV_PRECISION: tl.constexpr):
@@ -157,7 +158,7 @@ def _lucid_prep_kernel(k_ptr, mask_ptr, rho_ptr, linv_ptr, N, HKV, D, eps, scale
     rows = pid_n * BLOCK + offs
     keep = _keep_rows(mask_ptr, b * N, rows, N, HAS_MASK)
     k = _load_rows(k_ptr + base, rows, keep, offs_d, offs_d < D, HKV * D)
-    rho = _inv_rms(k.to(tl.float32), keep, D, eps)
+    rho = _inv_rms(k.to(tl.float32), keep, head_dim, eps)
     tl.store(rho_ptr + pid.to(tl.int64) * N + rows, rho, mask=rows < N)
     eye = offs[:, None] == offs[None, :]
     # every entry, the diagonal too, from the one Gram product (as every other tile of L);
@@ -173,7 +174,7 @@ def _lucid_prep_kernel(k_ptr, mask_ptr, rho_ptr, linv_ptr, N, HKV, D, eps, scale
     tl.store(linv + offs[:, None] * BLOCK + offs[None, :], x)
 
 
-@triton.jit(do_not_specialize=["n_parts", "step"])
+@triton.jit(do_not_specialize=["N", "HKV", "n_parts", "step"])
 def _lucid_solve_kernel(k_ptr, rhs_ptr, mask_ptr, rho_ptr, linv_ptr, part_ptr, r_ptr, out_ptr, op_ptr,
                         N, HKV, D, n_parts, step, scale, shift,
                         HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -301,8 +302,9 @@ def _dk_pass(acc, k_i, rho_i, a_i, keep_i, lo, hi, k_base, b_base, rho_base, mas
     return acc
 
 
-@triton.jit
-def _lucid_dk_kernel(k_ptr, mask_ptr, rho_ptr, vp_ptr, dv_ptr, out_ptr, diag_ptr, N, HKV, D, eps, scale, shift,
+@triton.jit(do_not_specialize=["N", "HKV", "head_dim"])
+def _lucid_dk_kernel(k_ptr, mask_ptr, rho_ptr, vp_ptr, dv_ptr, out_ptr, diag_ptr, N, HKV, D, head_dim, eps, scale,
+                     shift,
                      HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, PRECISION: tl.constexpr):
     """Key block I (BLOCK rows), head-dim columns [d0, d0 + BLOCK_DK), over key tiles J
@@ -323,10 +325,6 @@ def _lucid_dk_kernel(k_ptr, mask_ptr, rho_ptr, vp_ptr, dv_ptr, out_ptr, diag_ptr
     keep_i = _keep_rows(mask_ptr, b * N, rows, N, HAS_MASK)
     k_i = _load_block(k_ptr + base, start, 0, keep_i, N, D, row_stride, BLOCK, BLOCK_D)
     rho_i = tl.load(rho_base + rows, mask=rows < N, other=0.0)
-    if BLOCK_DK < BLOCK_D:
-        kd_i = _load_block(k_ptr + base, start, d0, keep_i, N, D, row_stride, BLOCK, BLOCK_DK).to(tl.float32)
-    else:
-        kd_i = k_i.to(tl.float32)
     # dk̂_I = s·Σ_J dS_IJ k̂_J + s·Σ_J dS_JIᵀ k̂_J with dS = −(dV V′ᵀ) ⊙ L, J ≤ I and J ≥ I.
     # The diagonal block once: the pairs j < i of dS_II and j > i of dS_IIᵀ. The diagonal
     # itself is in both sums (S_ii is quadratic in k̂_i): c_i·k̂_i with c_i = 2·s·dS_ii,
@@ -343,7 +341,12 @@ def _lucid_dk_kernel(k_ptr, mask_ptr, rho_ptr, vp_ptr, dv_ptr, out_ptr, diag_ptr
     else:
         diag = -2.0 * scale * tl.reduce(tl.where(rows[:, None] == rows[None, :], m * l_ii, 0.0), 1, _sum_combine)
     ds = tl.where(rows[None, :] < rows[:, None], m, tl.where(rows[None, :] > rows[:, None], tl.trans(m), 0.0))
-    acc = tl.dot((-ds * l_ii).to(operand), (kd_i * rho_i[:, None]).to(operand), input_precision=PRECISION)
+    if BLOCK_DK < BLOCK_D:
+        kd_i = _load_block(k_ptr + base, start, d0, keep_i, N, D, row_stride, BLOCK, BLOCK_DK)
+    else:
+        kd_i = k_i
+    acc = tl.dot((-ds * l_ii).to(operand), (kd_i.to(tl.float32) * rho_i[:, None]).to(operand),
+                 input_precision=PRECISION)
     acc = _dk_pass(acc, k_i, rho_i, dv_i, keep_i, 0, start, k_ptr + base, vp_ptr + base, rho_base, mask_ptr, b * N,
                    d0, N, row_stride, D, scale, shift, HAS_MASK, BLOCK_N, BLOCK_D, BLOCK_DK, PRECISION)
     acc = _dk_pass(acc, k_i, rho_i, vp_i, keep_i, start + BLOCK, N, k_ptr + base, dv_ptr + base, rho_base, mask_ptr,
@@ -357,22 +360,22 @@ def _lucid_dk_kernel(k_ptr, mask_ptr, rho_ptr, vp_ptr, dv_ptr, out_ptr, diag_ptr
             tl.store(diag_ptr + pid.to(tl.int64) * N + rows, diag, mask=rows < N)
     else:
         offs_d = tl.arange(0, BLOCK_D)
-        dk = _norm_backward(kd_i * rho_i[:, None], rho_i, dkh, diag, eps, D)
+        dk = _norm_backward(k_i.to(tl.float32) * rho_i[:, None], rho_i, dkh, diag, eps, head_dim)
         tl.store(out_ptr + base + rows[:, None] * row_stride + offs_d[None, :], dk.to(out_ptr.dtype.element_ty),
                  mask=(rows < N)[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
-def _norm_backward(kh, rho, dkh, diag, eps, D):
+def _norm_backward(kh, rho, dkh, diag, eps, head_dim):
     """RMS-norm backward dk = ρ·(dk̂ − k̂·(k̂·dk̂)/d) of the off-diagonal dk̂ (fp32 tiles, k̂ =
     ρ·k), plus the diagonal's c·k̂ through the same map in closed form: since
     1 − ‖k̂‖²/d = eps·ρ², it is c·eps·ρ³·k̂ (no cancellation)."""
-    dk = rho[:, None] * (dkh - kh * (tl.reduce(kh * dkh, 1, _sum_combine) / D)[:, None])
+    dk = rho[:, None] * (dkh - kh * (tl.reduce(kh * dkh, 1, _sum_combine) / head_dim)[:, None])
     return dk + (diag * eps * rho * rho * rho)[:, None] * kh
 
 
-@triton.jit
-def _lucid_norm_bwd_kernel(k_ptr, mask_ptr, rho_ptr, dkh_ptr, diag_ptr, dk_ptr, N, HKV, D, eps,
+@triton.jit(do_not_specialize=["N", "HKV", "head_dim"])
+def _lucid_norm_bwd_kernel(k_ptr, mask_ptr, rho_ptr, dkh_ptr, diag_ptr, dk_ptr, N, HKV, D, head_dim, eps,
                            HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
     """The RMS-norm backward of ``_norm_backward`` for a tile of rows, from the dk̂ and
     diagonal coefficients of a head-dim-split dk̂ kernel."""
@@ -390,14 +393,15 @@ def _lucid_norm_bwd_kernel(k_ptr, mask_ptr, rho_ptr, dkh_ptr, diag_ptr, dk_ptr, 
     diag = tl.load(diag_ptr + pid.to(tl.int64) * N + rows, mask=keep, other=0.0)
     kh = _load_rows(k_ptr + base, rows, keep, offs_d, d_ok, row_stride).to(tl.float32) * rho[:, None]
     dkh = _load_rows(dkh_ptr + base, rows, keep, offs_d, d_ok, row_stride)
-    dk = _norm_backward(kh, rho, dkh, diag, eps, D)
+    dk = _norm_backward(kh, rho, dkh, diag, eps, head_dim)
     tl.store(dk_ptr + base + rows[:, None] * row_stride + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=(rows < N)[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "C", "HKV", "head_dim", "maskc_bstride"])
 def _lucid_cache_panel_kernel(k_ptr, kc_ptr, mask_ptr, maskc_ptr, rho_ptr, vpc_ptr, part_ptr,
-                              T, C, HKV, D, kc_bstride, maskc_bstride, vpc_bstride, chunk, eps, scale, shift,
+                              T, C, HKV, D, head_dim, kc_bstride, maskc_bstride, vpc_bstride, chunk, eps, scale,
+                              shift,
                               HAS_MASK: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
                               BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
     """Σ_{j in chunk} L_tj v′_j for ROWS new keys t against one chunk of the C cached
@@ -426,7 +430,7 @@ def _lucid_cache_panel_kernel(k_ptr, kc_ptr, mask_ptr, maskc_ptr, rho_ptr, vpc_p
         cols = start + tl.arange(0, BLOCK_C)
         keep_c = _keep_rows(maskc_ptr, b * maskc_bstride, cols, C, HAS_MASK)
         k_c = _load_rows(kc_base, cols, keep_c, offs_d, d_ok, row_stride)
-        rho_c = _inv_rms(k_c.to(tl.float32), keep_c, D, eps)
+        rho_c = _inv_rms(k_c.to(tl.float32), keep_c, head_dim, eps)
         l_tc = _l_tile(k_t, k_c, rho_t, rho_c, keep_t[:, None] & keep_c[None, :], scale, shift, PRECISION)
         vp_c = _load_rows(vpc_base, cols, keep_c, offs_d, d_ok, row_stride).to(operand)
         acc = tl.dot(l_tc.to(operand), vp_c, acc, input_precision=PRECISION)
@@ -461,8 +465,8 @@ NUM_STAGES = 2
 SUB = 16  # rows of the diagonal sub-blocks the row loop inverts
 DECODE_ROWS = 16  # new-key rows per cache-panel program when a step has at most this many keys
 _TILES: dict[str, dict[int, Tiles]] = {
-    "fp32": {16: Tiles(32, 16, 4, 4, 32, 16), 32: Tiles(32, 32, 4, 8, 32, 32), 64: Tiles(16, 32, 4, 8, 16, 64)},
-    "low": {16: Tiles(64, 16, 4, 4, 64, 16), 32: Tiles(64, 32, 4, 4, 64, 32), 64: Tiles(64, 64, 4, 8, 64, 64),
+    "fp32": {16: Tiles(32, 16, 4, 4, 32, 16, 2), 32: Tiles(32, 32, 4, 8, 32, 32), 64: Tiles(16, 32, 4, 8, 16, 64)},
+    "low": {16: Tiles(64, 16, 4, 4, 64, 16, 2), 32: Tiles(64, 32, 4, 4, 64, 32), 64: Tiles(64, 64, 4, 8, 32, 64),
             128: Tiles(64, 64, 4, 8, 32, 64, 8)},
 }
 
@@ -502,7 +506,26 @@ def _levels(block: int) -> int:
 
 
 def _mask_arg(key_mask: torch.Tensor | None) -> torch.Tensor | None:
-    return None if key_mask is None else key_mask.to(torch.int8).contiguous()
+    if key_mask is None:
+        return None
+    mask = key_mask.to(torch.int8).contiguous()
+    return mask.clone() if mask.data_ptr() % 16 else mask
+
+
+def storage_dim(head_dim: int) -> int:
+    """The head dim the kernels run at: ``head_dim`` rounded up to a multiple of 16."""
+    return -(-head_dim // 16) * 16
+
+
+def _as_launched(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t`` ``[B, N, H, D]`` contiguous, 16-byte aligned and zero-padded to ``width``
+    columns (differentiable). With every tensor aligned and a 16-divisible head dim,
+    each launch takes the one specialisation the static cases compile; zero columns
+    add nothing to a product or a norm (the mean divides by the true head dim)."""
+    t = t.contiguous()
+    if t.shape[-1] != width:
+        return torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+    return t.clone() if t.data_ptr() % 16 else t
 
 
 def _scalars(head_dim: int) -> tuple[float, float]:
@@ -513,17 +536,17 @@ def _nothing(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(0, dtype=dtype, device=device)
 
 
-def _prepare(k: torch.Tensor, key_mask: torch.Tensor | None, eps: float, unit_diagonal: bool,
+def _prepare(k: torch.Tensor, key_mask: torch.Tensor | None, head_dim: int, eps: float, unit_diagonal: bool,
              t: Tiles) -> tuple[torch.Tensor, torch.Tensor]:
     """(ρ ``[B·H_kv, N]``, L_II⁻¹ ``[B·H_kv, n_blocks·block, block]``), fp32: every
     diagonal block inverted at once, off the sequential path."""
     B, N, HKV, D = k.shape
     n_blocks = triton.cdiv(N, t.block)
-    scale, shift = _scalars(D)
+    scale, shift = _scalars(head_dim)
     rho = empty((B * HKV, N), dtype=torch.float32, device=k.device)
     linv = empty((B * HKV, n_blocks * t.block, t.block), dtype=torch.float32, device=k.device)
     wrap_triton(_lucid_prep_kernel)[(n_blocks, B * HKV)](
-        k, key_mask, rho, linv, N, HKV, D, eps, scale, shift,
+        k, key_mask, rho, linv, N, HKV, D, head_dim, eps, scale, shift,
         HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=t.block, BLOCK_D=block_d(D),
         SUB=min(SUB, t.block), LEVELS=_levels(t.block), PRECISION=dot_precision(k.dtype),
         INV_PRECISION=inverse_precision(k.dtype), num_warps=t.warps, num_stages=NUM_STAGES,
@@ -532,13 +555,13 @@ def _prepare(k: torch.Tensor, key_mask: torch.Tensor | None, eps: float, unit_di
 
 
 def _substitute(k: torch.Tensor, rhs: torch.Tensor, key_mask: torch.Tensor | None, rho: torch.Tensor,
-                linv: torch.Tensor, t: Tiles, *, transposed: bool, store_out: bool, store_op: bool,
+                linv: torch.Tensor, head_dim: int, t: Tiles, *, transposed: bool, store_out: bool, store_op: bool,
                 parts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """L⁻¹·rhs (or L⁻ᵀ·rhs): (fp32 solution, solution in the dtype of k); each is an
     empty tensor unless asked for. One launch per block row; ``parts`` ``[n, B, N,
     H_kv, D]`` are subtracted from rhs (the cached keys' contribution when decoding)."""
     B, N, HKV, D = k.shape
-    scale, shift = _scalars(D)
+    scale, shift = _scalars(head_dim)
     bd = block_d(D)
     dv = min(t.block_dv, bd)
     n_blocks = triton.cdiv(N, t.block)
@@ -560,10 +583,10 @@ def _substitute(k: torch.Tensor, rhs: torch.Tensor, key_mask: torch.Tensor | Non
 
 
 def _key_gradient(k: torch.Tensor, key_mask: torch.Tensor | None, rho: torch.Tensor, vp: torch.Tensor,
-                  dv: torch.Tensor, eps: float, unit_diagonal: bool, t: Tiles) -> torch.Tensor:
+                  dv: torch.Tensor, head_dim: int, eps: float, unit_diagonal: bool, t: Tiles) -> torch.Tensor:
     """The preconditioner's dk (dtype of k) from V′ and dV (fp32 or the dtype of k)."""
     B, N, HKV, D = k.shape
-    scale, shift = _scalars(D)
+    scale, shift = _scalars(head_dim)
     bd = block_d(D)
     cols = min(t.dk_cols, bd)
     split = cols < bd
@@ -571,14 +594,14 @@ def _key_gradient(k: torch.Tensor, key_mask: torch.Tensor | None, rho: torch.Ten
     dkh = empty(k.shape, dtype=torch.float32, device=k.device) if split else dk
     diag = empty((B * HKV, N), dtype=torch.float32, device=k.device) if split else _nothing(torch.float32, k.device)
     wrap_triton(_lucid_dk_kernel)[(triton.cdiv(N, t.block), triton.cdiv(D, cols), B * HKV)](
-        k, key_mask, rho, vp, dv, dkh, diag, N, HKV, D, eps, scale, shift,
+        k, key_mask, rho, vp, dv, dkh, diag, N, HKV, D, head_dim, eps, scale, shift,
         HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=t.block, BLOCK_N=t.dk_block_n,
         BLOCK_D=bd, BLOCK_DK=cols, PRECISION=dot_precision(k.dtype), num_warps=t.dk_warps, num_stages=NUM_STAGES,
     )
     if split:
         wrap_triton(_lucid_norm_bwd_kernel)[(triton.cdiv(N, t.block), B * HKV)](
-            k, key_mask, rho, dkh, diag, dk, N, HKV, D, eps, HAS_MASK=key_mask is not None, BLOCK=t.block,
-            BLOCK_D=bd, num_warps=t.warps,
+            k, key_mask, rho, dkh, diag, dk, N, HKV, D, head_dim, eps, HAS_MASK=key_mask is not None,
+            BLOCK=t.block, BLOCK_D=bd, num_warps=t.dk_warps,
         )
     return dk
 
@@ -603,12 +626,15 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[index]
 
 
-def _rows_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``[B, C, H, D]`` as the kernels read it (rows of H·D, any batch stride)."""
+def _cache_view(t: torch.Tensor, width: int) -> torch.Tensor:
+    """A cache tensor ``[B, C, H, D]`` as the kernels read it: rows of H·D columns at
+    any batch stride (a view of the cache's storage), aligned, the head dim at
+    ``width`` (an odd head dim pads: a copy of the cache per step)."""
     B, C, H, D = t.shape
-    if t.stride(3) == 1 and t.stride(2) == D and (t.stride(1) == H * D or C <= 1):
+    if D == width and t.stride(3) == 1 and t.stride(2) == D and (t.stride(1) == H * D or C <= 1) \
+            and t.stride(0) % 16 == 0 and t.data_ptr() % 16 == 0:
         return t
-    return t.contiguous()
+    return _as_launched(t, width)
 
 
 # ----------------------------------------------------------------------------
@@ -617,37 +643,39 @@ def _rows_view(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton_op("laminae::lucid_precondition", mutates_args=())
-def _lucid_precondition_op(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+def _lucid_precondition_op(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, head_dim: int,
                            eps: float, unit_diagonal: bool
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(V′ fp32, V′ in the dtype of k (bf16/fp16 only, else empty), ρ, L_II⁻¹), all
-    ``[B, N, H_kv, D]`` but the last two (k, v contiguous, key_mask int8 or None)."""
-    t = tiles(k.shape[-1], k.dtype)
+    """(V′ fp32, V′ in the dtype of k (bf16/fp16 only, else empty), ρ, L_II⁻¹) for k, v
+    as launched (``_as_launched``: a 16-divisible width holding ``head_dim`` columns)
+    and key_mask int8 or None."""
+    t = tiles(head_dim, k.dtype)
     low = k.dtype != torch.float32
-    rho, linv = _prepare(k, key_mask, eps, unit_diagonal, t)
-    vp, vp_op = _substitute(k, v, key_mask, rho, linv, t, transposed=False, store_out=True, store_op=low)
+    rho, linv = _prepare(k, key_mask, head_dim, eps, unit_diagonal, t)
+    vp, vp_op = _substitute(k, v, key_mask, rho, linv, head_dim, t, transposed=False, store_out=True, store_op=low)
     return vp, vp_op, rho, linv
 
 
 @triton_op("laminae::lucid_precondition_bwd", mutates_args=())
 def _lucid_precondition_bwd_op(dvp: torch.Tensor, k: torch.Tensor, vp: torch.Tensor, rho: torch.Tensor,
-                               linv: torch.Tensor, key_mask: torch.Tensor | None, eps: float,
+                               linv: torch.Tensor, key_mask: torch.Tensor | None, head_dim: int, eps: float,
                                unit_diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(dk, dv) of the preconditioner, both in the dtype of k (dv = L⁻ᵀ dV′; V′ as saved)."""
-    t = tiles(k.shape[-1], k.dtype)
+    t = tiles(head_dim, k.dtype)
     low = k.dtype != torch.float32
-    dv32, dv_op = _substitute(k, dvp, key_mask, rho, linv, t, transposed=True, store_out=not low, store_op=low)
+    dv32, dv_op = _substitute(k, dvp, key_mask, rho, linv, head_dim, t, transposed=True, store_out=not low,
+                              store_op=low)
     dv = dv_op if low else dv32
-    return _key_gradient(k, key_mask, rho, vp, dv, eps, unit_diagonal, t), dv
+    return _key_gradient(k, key_mask, rho, vp, dv, head_dim, eps, unit_diagonal, t), dv
 
 
 def _setup_context(ctx, inputs, output):
-    k, v, key_mask, eps, unit_diagonal = inputs
+    k, v, key_mask, head_dim, eps, unit_diagonal = inputs
     vp, vp_op, rho, linv = output
     ctx.mark_non_differentiable(rho, linv)
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(k, vp if k.dtype == torch.float32 else vp_op, rho, linv, key_mask)
-    ctx.eps, ctx.unit_diagonal = eps, unit_diagonal
+    ctx.head_dim, ctx.eps, ctx.unit_diagonal = head_dim, eps, unit_diagonal
     ctx.v_dtype = v.dtype
 
 
@@ -655,10 +683,10 @@ def _backward(ctx, dvp, dvp_op, _drho, _dlinv):
     k, vp, rho, linv, key_mask = ctx.saved_tensors
     grads = [g for g in (dvp, dvp_op) if g is not None]
     if not grads:
-        return None, None, None, None, None
+        return None, None, None, None, None, None
     rhs = (grads[0].float() if len(grads) == 1 else grads[0].float() + grads[1].float()).contiguous()
-    dk, dv = _lucid_precondition_bwd_op(rhs, k, vp, rho, linv, key_mask, ctx.eps, ctx.unit_diagonal)
-    return dk, dv.to(ctx.v_dtype), None, None, None
+    dk, dv = _lucid_precondition_bwd_op(rhs, k, vp, rho, linv, key_mask, ctx.head_dim, ctx.eps, ctx.unit_diagonal)
+    return dk, dv.to(ctx.v_dtype), None, None, None, None
 
 
 _lucid_precondition_op.register_autograd(_backward, setup_context=_setup_context)
@@ -666,29 +694,29 @@ _lucid_precondition_op.register_autograd(_backward, setup_context=_setup_context
 
 @triton_op("laminae::lucid_precondition_extend", mutates_args=())
 def _lucid_extend_op(k_cache: torch.Tensor, vp_cache: torch.Tensor, cache_mask: torch.Tensor | None,
-                     k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, eps: float,
+                     k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, head_dim: int, eps: float,
                      unit_diagonal: bool) -> torch.Tensor:
-    """V′ ``[B, T, H_kv, D]`` fp32 of T new keys after C cached ones (k, v contiguous;
-    the cache tensors rows of H_kv·D with any batch stride; both masks or neither)."""
+    """V′ ``[B, T, H_kv, D]`` fp32 of T new keys after C cached ones (k, v as launched;
+    the cache tensors ``_cache_view``s; both masks or neither)."""
     B, T, HKV, D = k.shape
     C = k_cache.shape[1]
-    t = tiles(D, k.dtype)
-    rho, linv = _prepare(k, key_mask, eps, unit_diagonal, t)
+    t = tiles(head_dim, k.dtype)
+    rho, linv = _prepare(k, key_mask, head_dim, eps, unit_diagonal, t)
     parts = None
     if C:
         rows = DECODE_ROWS if T <= DECODE_ROWS else t.block
         n_rows = triton.cdiv(T, rows)
         n_parts, chunk = _cache_chunks(C, n_rows * B * HKV, t.block, k.device)
         parts = empty((n_parts, B, T, HKV, D), dtype=torch.float32, device=k.device)
-        scale, shift = _scalars(D)
+        scale, shift = _scalars(head_dim)
         has_mask = key_mask is not None
         wrap_triton(_lucid_cache_panel_kernel)[(n_rows, n_parts, B * HKV)](
-            k, k_cache, key_mask, cache_mask, rho, vp_cache, parts, T, C, HKV, D, k_cache.stride(0),
+            k, k_cache, key_mask, cache_mask, rho, vp_cache, parts, T, C, HKV, D, head_dim, k_cache.stride(0),
             cache_mask.stride(0) if has_mask else 0, vp_cache.stride(0), chunk, eps, scale, shift,
             HAS_MASK=has_mask, ROWS=rows, BLOCK_C=t.block, BLOCK_D=block_d(D), PRECISION=dot_precision(k.dtype),
             num_warps=t.panel_warps, num_stages=NUM_STAGES,
         )
-    vp, _ = _substitute(k, v, key_mask, rho, linv, t, transposed=False, store_out=True, store_op=False,
+    vp, _ = _substitute(k, v, key_mask, rho, linv, head_dim, t, transposed=False, store_out=True, store_op=False,
                         parts=parts)
     return vp
 
@@ -713,8 +741,12 @@ def _check_triton(k: torch.Tensor) -> None:
 def _preconditioned(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None, eps: float,
                     unit_diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(V′ fp32, V′ in the dtype of k), differentiable; N ≥ 1."""
-    vp, vp_op, _, _ = _lucid_precondition_op(k.contiguous(), v.contiguous(), _mask_arg(key_mask), float(eps),
-                                              bool(unit_diagonal))
+    head_dim = k.shape[-1]
+    width = storage_dim(head_dim)
+    vp, vp_op, _, _ = _lucid_precondition_op(_as_launched(k, width), _as_launched(v, width), _mask_arg(key_mask),
+                                              head_dim, float(eps), bool(unit_diagonal))
+    if width != head_dim:
+        vp, vp_op = vp[..., :head_dim], (vp_op[..., :head_dim] if vp_op.numel() else vp_op)
     return vp, (vp if k.dtype == torch.float32 else vp_op)
 
 
@@ -752,8 +784,11 @@ def lucid_precondition_extend(k_cache: torch.Tensor, v_prime_cache: torch.Tensor
     if (cache_mask is None) != (key_mask is None):
         cache_mask = torch.ones(B, C, dtype=torch.bool, device=k.device) if cache_mask is None else cache_mask
         key_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if key_mask is None else key_mask
-    return _lucid_extend_op(_rows_view(k_cache.to(k.dtype)), _rows_view(v_prime_cache), _mask_arg(cache_mask),
-                            k.contiguous(), v.contiguous(), _mask_arg(key_mask), float(eps), bool(unit_diagonal))
+    width = storage_dim(D)
+    v_prime = _lucid_extend_op(_cache_view(k_cache.to(k.dtype), width), _cache_view(v_prime_cache, width),
+                               _mask_arg(cache_mask), _as_launched(k, width), _as_launched(v, width),
+                               _mask_arg(key_mask), D, float(eps), bool(unit_diagonal))
+    return v_prime[..., :D] if width != D else v_prime
 
 
 def lucid_attend(q: torch.Tensor, k: torch.Tensor, v_prime: torch.Tensor,
@@ -799,65 +834,66 @@ def lucid_attention(
 def static_cases() -> Iterator[StaticCase]:
     """Every kernel at every configuration the launchers pick: per dtype and padded head
     dim, the masks and diagonal choices, the three substitution variants (forward,
-    dV, decoding), the fused or split dk̂ epilogue and both cache-panel row tiles.
-    bf16/fp16 at head dims 64 and 128 also compile as launched for a head dim that
-    is a multiple of 16 with 16-byte-aligned tensors (``divisible``), where every
-    matmul-shaped kernel must build on wgmma (``expect``)."""
+    dV, decoding), the fused or split dk̂ epilogue and both cache-panel row tiles. The
+    launchers pass 16-byte-aligned tensors and a head dim padded to a multiple of 16
+    (``_as_launched``) and keep the sizes unspecialised, so each configuration has
+    exactly one binary: the one compiled here with ``divisible``. bf16/fp16 at head
+    dims 64 and 128 must build every matmul-shaped product on wgmma (``expect``)."""
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
-        fp32 = dt == "fp32"
         torch_dt = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dt]
         precision, inv_precision = dot_precision(torch_dt), inverse_precision(torch_dt)
-        scalars = dict(N="i32", HKV="i32", D="i32")
+        wgmma = dt != "fp32"
+        sizes = dict(N="i32", HKV="i32", D="i32")
+        tags = {"dtype": dt}
         for bd, t in _TILES[_family(torch_dt)].items():
-            for div in (False, True) if not fp32 and bd >= 64 else (False,):
-                tags = {"dtype": dt} | ({"div16": True} if div else {})
+            expect = "HGMMA" if wgmma and bd >= 64 else ""
 
-                def case(name, kernel, signature, constexprs, warps, expect=True):
-                    pointers = tuple(a for a, ty in signature.items() if ty.startswith("*"))
-                    extra = dict(divisible=pointers + ("D",), expect="HGMMA" if expect else "") if div else {}
-                    return StaticCase(name, kernel, signature, constexprs, warps, NUM_STAGES, tags=tags, **extra)
+            def case(name, kernel, signature, constexprs, warps, matmul=True, also=()):
+                pointers = tuple(a for a, ty in signature.items() if ty.startswith("*"))
+                return StaticCase(name, kernel, signature, constexprs, warps, NUM_STAGES, tags=tags,
+                                  expect=expect if matmul else "", divisible=pointers + ("D",) + also)
 
-                cols = min(t.dk_cols, bd)
-                for has_mask in (True, False):
-                    for unit in (False, True):
-                        yield case("lucid_prep", _lucid_prep_kernel,
-                                   dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", linv_ptr="*fp32") | scalars
-                                   | dict(eps="fp32", scale="fp32", shift="fp32"),
-                                   dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=t.block, BLOCK_D=bd,
-                                        SUB=min(SUB, t.block), LEVELS=_levels(t.block), PRECISION=precision,
-                                        INV_PRECISION=inv_precision), t.warps)
-                        yield case("lucid_bwd_dk", _lucid_dk_kernel,
-                                   dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", vp_ptr=p, dv_ptr=p,
-                                        out_ptr=p if cols == bd else "*fp32", diag_ptr="*fp32") | scalars
-                                   | dict(eps="fp32", scale="fp32", shift="fp32"),
-                                   dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=t.block, BLOCK_N=t.dk_block_n,
-                                        BLOCK_D=bd, BLOCK_DK=cols, PRECISION=precision), t.dk_warps)
-                    # forward (V′ in fp32 and, for 16-bit inputs, in their dtype), dV, decoding (fp32 V′ only)
-                    variants = {"lucid_solve": (p, False, True, not fp32), "lucid_bwd_dv": ("*fp32", True, fp32, not fp32)}
-                    if not fp32:
-                        variants["lucid_decode_solve"] = (p, False, True, False)
-                    for name, (rhs, transposed, store_out, store_op) in variants.items():
-                        yield case(name, _lucid_solve_kernel,
-                                   dict(k_ptr=p, rhs_ptr=rhs, mask_ptr="*i8", rho_ptr="*fp32", linv_ptr="*fp32",
-                                        part_ptr="*fp32", r_ptr="*fp32", out_ptr="*fp32", op_ptr=p) | scalars
-                                   | dict(n_parts="i32", step="i32", scale="fp32", shift="fp32"),
-                                   dict(HAS_MASK=has_mask, BLOCK=t.block, BLOCK_D=bd, BLOCK_DV=min(t.block_dv, bd),
-                                        PRECISION=precision, INV_PRECISION=inv_precision, TRANSPOSED=transposed,
-                                        STORE_OUT=store_out, STORE_OP=store_op), t.warps)
-                    for rows in dict.fromkeys((DECODE_ROWS, t.block)):
-                        yield case("lucid_decode_panel", _lucid_cache_panel_kernel,
-                                   dict(k_ptr=p, kc_ptr=p, mask_ptr="*i8", maskc_ptr="*i8", rho_ptr="*fp32",
-                                        vpc_ptr="*fp32", part_ptr="*fp32", T="i32", C="i32", HKV="i32", D="i32",
-                                        kc_bstride="i32", maskc_bstride="i32", vpc_bstride="i32", chunk="i32",
-                                        eps="fp32", scale="fp32", shift="fp32"),
-                                   dict(HAS_MASK=has_mask, ROWS=rows, BLOCK_C=t.block, BLOCK_D=bd,
-                                        PRECISION=precision), t.panel_warps, expect=rows >= 64)
-                    if cols < bd:
-                        yield case("lucid_bwd_norm", _lucid_norm_bwd_kernel,
-                                   dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", dkh_ptr="*fp32", diag_ptr="*fp32",
-                                        dk_ptr=p) | scalars | dict(eps="fp32"),
-                                   dict(HAS_MASK=has_mask, BLOCK=t.block, BLOCK_D=bd), t.warps, expect=False)
+            cols = min(t.dk_cols, bd)
+            for has_mask in (True, False):
+                for unit in (False, True):
+                    yield case("lucid_prep", _lucid_prep_kernel,
+                               dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", linv_ptr="*fp32") | sizes
+                               | dict(head_dim="i32", eps="fp32", scale="fp32", shift="fp32"),
+                               dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=t.block, BLOCK_D=bd,
+                                    SUB=min(SUB, t.block), LEVELS=_levels(t.block), PRECISION=precision,
+                                    INV_PRECISION=inv_precision), t.warps)
+                    yield case("lucid_bwd_dk", _lucid_dk_kernel,
+                               dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", vp_ptr=p, dv_ptr=p,
+                                    out_ptr=p if cols == bd else "*fp32", diag_ptr="*fp32") | sizes
+                               | dict(head_dim="i32", eps="fp32", scale="fp32", shift="fp32"),
+                               dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=t.block, BLOCK_N=t.dk_block_n,
+                                    BLOCK_D=bd, BLOCK_DK=cols, PRECISION=precision), t.dk_warps)
+                # forward (V′ in fp32 and, for 16-bit inputs, in their dtype), dV, decoding (fp32 V′ only)
+                variants = {"lucid_solve": (p, False, True, wgmma), "lucid_bwd_dv": ("*fp32", True, not wgmma, wgmma)}
+                if wgmma:
+                    variants["lucid_decode_solve"] = (p, False, True, False)
+                for name, (rhs, transposed, store_out, store_op) in variants.items():
+                    yield case(name, _lucid_solve_kernel,
+                               dict(k_ptr=p, rhs_ptr=rhs, mask_ptr="*i8", rho_ptr="*fp32", linv_ptr="*fp32",
+                                    part_ptr="*fp32", r_ptr="*fp32", out_ptr="*fp32", op_ptr=p) | sizes
+                               | dict(n_parts="i32", step="i32", scale="fp32", shift="fp32"),
+                               dict(HAS_MASK=has_mask, BLOCK=t.block, BLOCK_D=bd, BLOCK_DV=min(t.block_dv, bd),
+                                    PRECISION=precision, INV_PRECISION=inv_precision, TRANSPOSED=transposed,
+                                    STORE_OUT=store_out, STORE_OP=store_op), t.warps)
+                for rows in dict.fromkeys((DECODE_ROWS, t.block)):
+                    yield case("lucid_decode_panel", _lucid_cache_panel_kernel,
+                               dict(k_ptr=p, kc_ptr=p, mask_ptr="*i8", maskc_ptr="*i8", rho_ptr="*fp32",
+                                    vpc_ptr="*fp32", part_ptr="*fp32", T="i32", C="i32", HKV="i32", D="i32",
+                                    head_dim="i32", kc_bstride="i32", maskc_bstride="i32", vpc_bstride="i32",
+                                    chunk="i32", eps="fp32", scale="fp32", shift="fp32"),
+                               dict(HAS_MASK=has_mask, ROWS=rows, BLOCK_C=t.block, BLOCK_D=bd, PRECISION=precision),
+                               t.panel_warps, matmul=rows >= 64, also=("kc_bstride", "vpc_bstride", "chunk"))
+                if cols < bd:
+                    yield case("lucid_bwd_norm", _lucid_norm_bwd_kernel,
+                               dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", dkh_ptr="*fp32", diag_ptr="*fp32",
+                                    dk_ptr=p) | sizes | dict(head_dim="i32", eps="fp32"),
+                               dict(HAS_MASK=has_mask, BLOCK=t.block, BLOCK_D=bd), t.dk_warps, matmul=False)
 
 
 def tour_case(device: torch.device):

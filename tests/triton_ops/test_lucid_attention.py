@@ -214,7 +214,7 @@ def test_triangular_inverse_levels():
         keys = k.to(DEVICE, dtype)
         t = lucid_ops.Tiles(block, 32, 4, 4, block, 32)
         with gpu_tf32():
-            _, linv = lucid_ops._prepare(keys, lucid_ops._mask_arg(keep.to(DEVICE)), 1e-6, False, t)
+            _, linv = lucid_ops._prepare(keys, lucid_ops._mask_arg(keep.to(DEVICE)), D, 1e-6, False, t)
         L = lucid_matrix(keys.double(), keep.to(DEVICE), 1e-6)  # [B, 1, N, N]
         blocks = -(-N // block)
         for b in range(2):
@@ -339,11 +339,11 @@ def test_opcheck_schema_and_autograd_registration():
     # they run in the GPU-marked test below.
     with forced_tiles():
         for m in (None, mask):
-            torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, m, 1e-6, False),
+            torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, m, 16, 1e-6, False),
                                   test_utils=("test_schema", "test_autograd_registration"))
         torch.library.opcheck(lucid_ops._lucid_extend_op, (k[:, :17].detach(), v[:, :17].detach(), mask[:, :17],
                                                            k[:, 17:].detach(), v[:, 17:].detach(), mask[:, 17:],
-                                                           1e-6, False), test_utils=("test_schema",))
+                                                           16, 1e-6, False), test_utils=("test_schema",))
 
 
 @pytest.mark.gpu
@@ -351,11 +351,12 @@ def test_opcheck_full_gpu():
     k = torch.randn(2, 130, 2, 64, device="cuda", requires_grad=True)
     v = torch.randn(2, 130, 2, 64, device="cuda", requires_grad=True)
     mask = (torch.rand(2, 130, device="cuda") > 0.2).to(torch.int8)
-    torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, mask, 1e-6, False))
-    torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, mask, 1e-6, True))
+    torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, mask, 64, 1e-6, False))
+    torch.library.opcheck(lucid_ops._lucid_precondition_op, (k, v, mask, 64, 1e-6, True))
     dvp = torch.randn(2, 130, 2, 64, device="cuda")
-    vp, _, rho, linv = lucid_ops._lucid_precondition_op(k.detach(), v.detach(), mask, 1e-6, False)
-    torch.library.opcheck(lucid_ops._lucid_precondition_bwd_op, (dvp, k.detach(), vp, rho, linv, mask, 1e-6, False))
+    vp, _, rho, linv = lucid_ops._lucid_precondition_op(k.detach(), v.detach(), mask, 64, 1e-6, False)
+    torch.library.opcheck(lucid_ops._lucid_precondition_bwd_op, (dvp, k.detach(), vp, rho, linv, mask, 64, 1e-6,
+                                                                 False))
 
 
 @pytest.mark.gpu
