@@ -416,7 +416,15 @@ class LucidAttention(nn.Module):
             new_cache = LucidCache(AppendBuffer.wrap(keys=k, key_hat=k_hat_new, v_prime=v_prime, keep=keep_new),
                                    masked, eps, unit, self._cache_config())
         else:
-            v_prime = lucid_extend(cache.key_hat, cache.v_prime, cache.keep_mask(), k_hat_new, v, keep_new, unit)
+            if use_triton:  # the new rows of L against the cache, by kernels (inference only)
+                from laminae.triton_ops.lucid_attention import lucid_precondition_extend
+
+                masked_any = masked or cache.has_mask
+                v_prime = lucid_precondition_extend(cache.keys, cache.v_prime, k, v,
+                                                    cache.keep_mask() if masked_any else None,
+                                                    keep_new if masked_any else None, eps, unit_diagonal=unit)
+            else:
+                v_prime = lucid_extend(cache.key_hat, cache.v_prime, cache.keep_mask(), k_hat_new, v, keep_new, unit)
             new_cache = cache.extend(k, k_hat_new, v_prime, keep_new, masked)
             keys, v_prime_all, key_mask = new_cache.keys, new_cache.v_prime, new_cache.keep
 
