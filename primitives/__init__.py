@@ -15,7 +15,7 @@ from .engram import (EngramCache, EngramLayerFusion, EngramModule, EngramState, 
 from .hrm_refinement import HRMRefinementBlock, HRMRMSNorm, hrm_refinement_reference
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .leviathan import LeviathanGenerator, TokenIdError, leviathan_reference
-from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
+from .lucid_attention import LucidAttention, LucidCache, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCacheState, MemoryCachingCache, memory_caching_reference
 from .mom_read import MoMRead, MoMReadCache, MoMReadState, mom_read_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
@@ -44,7 +44,7 @@ __all__ = [
     "HRMRefinementBlock", "HRMRMSNorm", "hrm_refinement_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
     "LeviathanGenerator", "TokenIdError", "leviathan_reference",
-    "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
+    "LucidAttention", "LucidCache", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCacheState", "MemoryCachingCache", "memory_caching_reference",
     "MoMRead", "MoMReadCache", "MoMReadState", "mom_read_reference",
     "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",

@@ -665,7 +665,7 @@ class EngramModule(nn.Module):
             # under autocast the frozen projection runs in bf16: the read joins x in x's dtype
             retrieved = self.lookup(compressed, prefix=cache.prefix, attention_mask=keep,
                                     prefix_mask=cache.prefix_keep).to(x.dtype)
-        out = self.gate(retrieved, x)
+        out = self.gate(x, retrieved=retrieved)
         if keep is not None:
             (out,) = zero_padding(keep, out)
         return EngramOutput(out, cache.advance(compressed, self.max_ngram, keep), retrieved)

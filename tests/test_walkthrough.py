@@ -40,15 +40,15 @@ class Attention(nn.Module):
         q = self.q(h).view(*h.shape[:2], H, HD)
         k, v = self.kv(h).view(*h.shape[:2], 2, HKV, HD).unbind(2)
         if self.kind == "affine_scaled_attention":
-            y, cache = self.core(h, q, k, v, mask, cache=cache)
+            y, cache = self.core(q, k, v, mask, cache, x=h)
         elif hasattr(self, "core"):
-            y, cache = self.core(q, k, v, mask, cache=cache)
+            y, cache = self.core(q, k, v, mask, cache)
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(H // HKV, 2).transpose(1, 2),
                                                v.repeat_interleave(H // HKV, 2).transpose(1, 2),
                                                is_causal=True).transpose(1, 2)
             if self.kind == "xsa":
-                y = self.xsa(y, v)
+                y = self.xsa(y, v=v)
         return self.o(y.flatten(2)), cache
 
 
@@ -74,6 +74,11 @@ class TinyGPT(nn.Module):
             nn.init.ones_(self.mom.mom_scale)
         elif kind == "engram":
             self.engram = EngramModule(D, 8, num_heads=2, table_size=31, gate_init_bias=0.5)
+
+    def empty_cache(self, batch):
+        """Where decoding starts: the attention core's empty cache (the memory blocks
+        return theirs from the prefill)."""
+        return self.attn.core.empty_cache(batch) if hasattr(self.attn, "core") else None
 
     def forward(self, tokens, mask=None, cache=None):
         x = self.embed(tokens)
@@ -150,7 +155,7 @@ def test_block_decodes_with_branching_under_autocast(kind, backend):
     prompt = _tokens(length=4)
     beams = {"a": torch.tensor([[3], [5]]), "b": torch.tensor([[7], [1]])}
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind != "lucid_attention"):
-        _, shared = model(prompt)
+        _, shared = model(prompt, cache=model.empty_cache(B))
         seqs, decoded = [], []
         for name, token in beams.items():
             cache, seq, outs = shared, prompt, []

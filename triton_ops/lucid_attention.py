@@ -444,7 +444,7 @@ def _check_triton(k: torch.Tensor) -> None:
                          f"(64 for fp32, 128 for bf16/fp16), got {k.shape[-1]}; use backend='reference'")
 
 
-def lucid_precondition(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
+def lucid_precondition(k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        eps: float = LUCID_ATTENTION_EPS, *, unit_diagonal: bool = False) -> torch.Tensor:
     """Triton V′ = L⁻¹V with the signature of
     :func:`laminae.primitives.lucid_attention.lucid_precondition_reference`:
@@ -452,24 +452,24 @@ def lucid_precondition(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor 
     _check_triton(k)
     if k.shape[1] == 0:
         return torch.zeros(k.shape, dtype=torch.float32, device=k.device) + 0.0 * (k.sum() + v.sum())
-    return _lucid_precondition_op(k.contiguous(), v.contiguous(), _mask_arg(key_mask), float(eps),
+    return _lucid_precondition_op(k.contiguous(), v.contiguous(), _mask_arg(attention_mask), float(eps),
                                   bool(unit_diagonal))
 
 
 def lucid_attend(q: torch.Tensor, k: torch.Tensor, v_prime: torch.Tensor,
-                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention of ``q`` ``[B, S, H, D]`` over (``k``, ``v_prime``)
     ``[B, N, H_kv, D]`` (all one dtype), query i at position N − S + i."""
     from ._flash import flash_attention
 
-    return flash_attention(q, k, v_prime, key_mask)
+    return flash_attention(q, k, v_prime, attention_mask)
 
 
 def lucid_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     eps: float = LUCID_ATTENTION_EPS,
     *,
     upcast: bool = True,
@@ -479,16 +479,16 @@ def lucid_attention(
     :func:`laminae.primitives.lucid_attention.lucid_attention_reference`.
 
     ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` (fp32/bf16/fp16, N ≥ S),
-    ``key_mask`` an optional ``(B, N)`` keep mask. Returns ``[B, S, H, D]`` in the input
+    ``attention_mask`` an optional ``(B, N)`` keep mask. Returns ``[B, S, H, D]`` in the input
     dtype. ``upcast`` is accepted for interchangeability: the kernels always
     accumulate in fp32 and keep V′ in fp32 for the solve; the attention reads V′ in the
     input dtype."""
-    check_lucid_inputs(q, k, v, key_mask, eps)
+    check_lucid_inputs(q, k, v, attention_mask, eps)
     _check_triton(q)
     if q.shape[1] == 0:
         return torch.zeros_like(q) + 0.0 * (k.sum() + v.sum())
-    v_prime = lucid_precondition(k, v, key_mask, eps, unit_diagonal=unit_diagonal)
-    return lucid_attend(q, k, v_prime.to(q.dtype), key_mask)
+    v_prime = lucid_precondition(k, v, attention_mask, eps, unit_diagonal=unit_diagonal)
+    return lucid_attend(q, k, v_prime.to(q.dtype), attention_mask)
 
 
 # ----------------------------------------------------------------------------
@@ -542,7 +542,7 @@ def tour_case(device: torch.device):
         "q": torch.randn(B, S, H, D, generator=gen).to(device),
         "k": torch.randn(B, S, HKV, D, generator=gen).to(device),
         "v": torch.randn(B, S, HKV, D, generator=gen).to(device),
-        "key_mask": keep.to(device),
+        "attention_mask": keep.to(device),
     }
     return TourCase("lucid_attention (GQA 4/2, D=32, ragged)", lucid_attention, lucid_attention_reference,
                     inputs, ["q", "k", "v"])

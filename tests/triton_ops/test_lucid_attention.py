@@ -48,7 +48,7 @@ def _inputs(B, S, N, H, HKV, D, masked, scale, seed, dtype=torch.float32):
         keep[0, : min(3, N)] = False  # left padding
         if B > 1:
             keep[1, -1] = True
-        inp["key_mask"] = keep.to(DEVICE)
+        inp["attention_mask"] = keep.to(DEVICE)
     return inp
 
 
@@ -93,7 +93,7 @@ def test_padding_contents_never_reach_kept_rows():
     """NaN keys and values at padding positions: kept rows of V′ and every gradient
     at kept positions equal those of zeroed padding (0·NaN never enters a product)."""
     inp = _inputs(2, 1, 40, 1, 2, 32, True, 1.0, 5)
-    k, v, keep = inp["k"], inp["v"], inp["key_mask"]
+    k, v, keep = inp["k"], inp["v"], inp["attention_mask"]
     pad = ~keep[:, :, None, None]
     results = []
     for fill in (0.0, float("nan")):
@@ -138,13 +138,13 @@ def test_module_triton_backend_prefill_and_decode():
     torch.manual_seed(0)
     B, T, P, H, HKV, D = 2, 20, 17, 4, 2, 16
     inp = _inputs(B, T, T, H, HKV, D, True, 1.0, 2)
-    q, k, v, keep = inp["q"], inp["k"], inp["v"], inp["key_mask"]
+    q, k, v, keep = inp["q"], inp["k"], inp["v"], inp["attention_mask"]
     ref = LucidAttention(H, HKV, D, backend="reference")
     tri = LucidAttention(H, HKV, D, backend="triton")
     full_ref, _ = ref(q, k, v, keep)
     with small_blocks():
         full_tri, _ = tri(q, k, v, keep)
-        out, cache = tri(q[:, :P], k[:, :P], v[:, :P], keep[:, :P])
+        out, cache = tri(q[:, :P], k[:, :P], v[:, :P], keep[:, :P], tri.empty_cache(B, device=DEVICE))
         outs = [out]
         for t in range(P, T):
             out, cache = tri(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], keep[:, t:t + 1], cache=cache)
