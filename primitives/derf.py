@@ -29,7 +29,6 @@ kv head ``h // (H // H_kv)``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
