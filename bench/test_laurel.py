@@ -12,7 +12,7 @@ DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
 
 def _inputs(rows, d, rank):
     return {
-        "f": torch.randn(rows, d, device=DEVICE, dtype=DTYPE),
+        "sublayer_output": torch.randn(rows, d, device=DEVICE, dtype=DTYPE),
         "x": torch.randn(rows, d, device=DEVICE, dtype=DTYPE),
         "alpha_logit": torch.tensor(0.2, device=DEVICE),
         "beta_logit": torch.tensor(0.1, device=DEVICE),
@@ -27,10 +27,10 @@ def _inputs(rows, d, rank):
 def test_laurel(benchmark, provider, mode, shape):
     rows, d, rank = shape
     inputs = _inputs(rows, d, rank)
-    # memory-bound: forward reads f, x and writes y; the backward reads dy, f, x (the
-    # mixing weights' gradients need f and x) and writes df, dx ([N, D] each; the
-    # rank-r factors and their [N, r] products are small)
-    nd = rows * d * inputs["f"].element_size()
+    # memory-bound: forward reads f (the sublayer output), x and writes y; the backward
+    # reads dy, f, x (the mixing weights' gradients need f and x) and writes df, dx
+    # ([N, D] each; the rank-r factors and their [N, r] products are small)
+    nd = rows * d * inputs["x"].element_size()
     bytes_moved = by_mode(3 * nd, 8 * nd)
     run_benchmark(benchmark, name="laurel", provider=provider, mode=mode, op=laurel, reference=laurel_reference,
                   inputs=inputs, grad_names=list(inputs), shape=f"N={rows},D={d},r={rank}", bytes_moved=bytes_moved)

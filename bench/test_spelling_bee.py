@@ -10,7 +10,7 @@ from ._harness import DEVICE, MODES, PROVIDERS, run_benchmark
 VOCAB, HIDDEN = 64402, 512
 SHAPES = [(4, 512), (8, 2048), (16, 4096)]
 DTYPE = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-GRADS = ["e_tok", "byte_embed"]
+GRADS = ["token_embeddings", "byte_embed"]
 
 
 def _byte_table():
@@ -25,8 +25,8 @@ def _byte_table():
 def _inputs(batch, seq):
     byte_ids, byte_len = _byte_table()
     return {
-        "ids": torch.randint(0, VOCAB, (batch, seq), device=DEVICE),
-        "e_tok": torch.randn(batch, seq, HIDDEN, device=DEVICE, dtype=DTYPE),
+        "input_ids": torch.randint(0, VOCAB, (batch, seq), device=DEVICE),
+        "token_embeddings": torch.randn(batch, seq, HIDDEN, device=DEVICE, dtype=DTYPE),
         "byte_embed": 0.02 * torch.randn(256, HIDDEN, device=DEVICE, dtype=DTYPE),
         "byte_ids": byte_ids.to(DEVICE),
         "byte_len": byte_len.to(DEVICE),

@@ -45,8 +45,9 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import (check_has_tokens, check_keep_mask, check_param_dtype, check_positive_int, check_same_device,
-                          check_tensor, match_activation_dtypes, zero_padding)
+from ._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_param_dtype, check_positive_int,
+                          check_same_device, check_tensor, match_activation_dtypes, zero_padding)
+from .blocks.norms import RMSNorm, rms_norm
 
 __all__ = [
     "engram_hash_bits",
@@ -59,7 +60,6 @@ __all__ = [
     "engram_next_prefix",
     "engram_orders_that_fit",
     "EngramCache",
-    "EngramState",
     "EngramOutput",
     "TokenCompressor",
     "MultiHeadHashLookup",
@@ -315,10 +315,6 @@ def engram_next_prefix(prefix: torch.Tensor | None, compressed: torch.Tensor, ma
     return full[:, start:, :].detach()
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
 def engram_fusion_gate_reference(
     hidden_low: torch.Tensor,
     key_low: torch.Tensor,
@@ -345,8 +341,8 @@ def engram_fusion_gate_reference(
     dtype = value.dtype
     compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
     fusion_dim = value.shape[-1]
-    h = _rms_norm(hidden_low.to(compute), hidden_norm_weight.to(compute), eps)
-    k = _rms_norm(key_low.to(compute), ngram_norm_weight.to(compute), eps)
+    h = rms_norm(hidden_low.to(compute), hidden_norm_weight.to(compute), eps, upcast=False)
+    k = rms_norm(key_low.to(compute), ngram_norm_weight.to(compute), eps, upcast=False)
     a = (h * k).sum(-1, keepdim=True) / math.sqrt(fusion_dim)
     # Signed square root: compresses the agreement's range before the sigmoid.
     gate = torch.sigmoid(a.abs().clamp_min(GATE_FLOOR).sqrt() * torch.sign(a))
@@ -381,49 +377,61 @@ def engram_fusion_reference(
 
 
 class EngramCache(DecodingCache):
-    """What incremental decoding must carry for the n-gram read: the compressed
-    vectors of the last ``max_ngram - 1`` tokens (``prefix`` ``[B, ≤N-1, Dc]``,
-    ``None`` before the first token or when ``max_ngram == 1``), their keep mask
-    (``prefix_keep`` ``[B, ≤N-1]`` bool, ``None`` while no call was padded) and the
+    """What incremental decoding must carry for the n-gram read: ``prefix``
+    ``[B, ≤N-1, Dc]``, the compressed vectors of the last ``max_ngram - 1`` tokens
+    (empty before the first token, and always for ``max_ngram == 1``), ``keep`` their
+    ``[B, ≤N-1]`` bool keep mask (None while no call was padded) and ``length`` the
     token count. They depend only on the token embeddings, so caching them is exact.
-    A call never changes the cache it was given; appends copy at most N-1 positions."""
+    Start one with :meth:`EngramModule.empty_cache`; a call never changes the cache it
+    was given, and an append copies at most N-1 positions."""
 
-    def __init__(self, prefix: torch.Tensor | None = None, length: int = 0, config: dict | None = None,
-                 prefix_keep: torch.Tensor | None = None) -> None:
-        self.prefix, self._length, self.config = prefix, int(length), dict(config or {})
-        self.prefix_keep = prefix_keep
+    def __init__(self, prefix: torch.Tensor, length: int = 0, config: dict | None = None,
+                 keep: torch.Tensor | None = None) -> None:
+        self.prefix, self._length, self.config, self.keep = prefix, int(length), dict(config or {}), keep
 
     @property
     def length(self) -> int:
         return self._length
 
     @property
-    def batch(self) -> int | None:
-        return None if self.prefix is None else self.prefix.shape[0]
+    def batch(self) -> int:
+        return self.prefix.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.prefix.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.prefix.device
 
     def reset(self) -> None:
-        self.prefix, self.prefix_keep, self._length = None, None, 0
+        self.prefix, self.keep, self._length = self.prefix[:, :0], None, 0
+
+    def clone(self) -> "EngramCache":
+        keep = None if self.keep is None else self.keep.clone()
+        return EngramCache(self.prefix.clone(), self._length, self.config, keep)
 
     def advance(self, compressed: torch.Tensor, max_ngram: int,
                 attention_mask: torch.Tensor | None = None) -> "EngramCache":
         """A cache that also holds ``compressed`` ``[B, S, Dc]`` (keep mask ``[B, S]``)."""
-        prefix = engram_next_prefix(self.prefix, compressed, max_ngram)
+        old = self.prefix if self.prefix.shape[1] else None
+        prefix = engram_next_prefix(old, compressed.to(self.dtype), max_ngram)
         keep = None
-        if prefix is not None and (attention_mask is not None or self.prefix_keep is not None):
+        if prefix is not None and (attention_mask is not None or self.keep is not None):
             batch, seq = compressed.shape[:2]
-            old_len = 0 if self.prefix is None else self.prefix.shape[1]
-            full = full_keep_mask(batch, old_len, seq, attention_mask, self.prefix_keep, compressed.device)
+            old_len = 0 if old is None else old.shape[1]
+            full = full_keep_mask(batch, old_len, seq, attention_mask, self.keep, compressed.device)
             keep = full[:, full.shape[1] - prefix.shape[1]:]
+        if prefix is None:
+            prefix = self.prefix[:, :0]
         return EngramCache(prefix, self._length + compressed.shape[1], self.config, keep)
 
 
-EngramState = EngramCache  # the earlier name
-
-
 class EngramOutput(NamedTuple):
-    output: torch.Tensor      # the gated read, added to the residual stream
-    cache: EngramCache        # pass back on the next call
-    retrieved: torch.Tensor   # the raw read (reused by EngramLayerFusion)
+    output: torch.Tensor          # the gated read, added to the residual stream
+    cache: EngramCache | None     # pass back on the next call (None for cache=None)
+    retrieved: torch.Tensor       # the raw read (reused by EngramLayerFusion)
 
 
 # ----------------------------------------------------------------------------
@@ -484,7 +492,7 @@ class MultiHeadHashLookup(nn.Module):
     Example::
 
         lookup = MultiHeadHashLookup(4, 4096, 64, 512)
-        read = lookup(compressed)                       # full sequence
+        read = lookup(compressed)                        # full sequence
         step = lookup(c_new, prefix=compressed[:, -2:])  # one decoding step
     """
 
@@ -555,8 +563,8 @@ class MultiHeadHashLookup(nn.Module):
                               "occupancy": distinct / min(idx.numel(), self.table_size)}
         return stats
 
-    def forward(self, compressed: torch.Tensor, prefix: torch.Tensor | None = None, *,
-                attention_mask: torch.Tensor | None = None, prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, compressed: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                prefix: torch.Tensor | None = None, prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Read the memory for ``compressed`` ``[B, S, Dc]``; ``prefix`` ``[B, P, Dc]`` is
         the compressed tail of the preceding tokens (decoding); ``attention_mask``
         ``[B, S]`` and ``prefix_mask`` ``[B, P]`` are their keep masks (padding reads
@@ -598,8 +606,9 @@ class EngramModule(nn.Module):
     Example::
 
         engram = EngramModule(512, 64, num_heads=4, table_size=4096)
-        out, cache, ngram = engram(x)                     # prefill (or training)
-        out, cache, ngram = engram(x_next, cache=cache)   # one token
+        out, _, ngram = engram(x)                                                  # training
+        out, cache, ngram = engram(x_prompt, cache=engram.empty_cache(batch))      # prefill
+        out, cache, ngram = engram(x_next, cache=cache)                            # one token
     """
 
     def __init__(self, hidden_size: int, compress_dim: int, num_heads: int, table_size: int,
@@ -635,52 +644,62 @@ class EngramModule(nn.Module):
         detached, the projection frozen), which is what makes the decode prefix exact."""
         return self.compressor(x.detach())
 
-    def retrieve(self, x: torch.Tensor, prefix: torch.Tensor | None = None, *,
-                 attention_mask: torch.Tensor | None = None, prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def retrieve(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 prefix: torch.Tensor | None = None, prefix_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The raw (ungated) read ``[B, S, hidden_size]`` (zeros at dropped positions)."""
         check_tensor("x", x, ndim=3, layout="[batch, seq, hidden_size]")
         check_keep_mask("attention_mask", attention_mask, *x.shape[:2])
         (x,) = zero_padding(attention_mask, x)
-        return self.lookup(self.compress(x), prefix=prefix, attention_mask=attention_mask, prefix_mask=prefix_mask)
+        return self.lookup(self.compress(x), attention_mask, prefix=prefix, prefix_mask=prefix_mask)
 
-    def forward(self, x: torch.Tensor, cache: EngramCache | None = None,
-                retrieved: torch.Tensor | None = None, *, attention_mask: torch.Tensor | None = None) -> EngramOutput:
-        """``(output, cache, retrieved)``: the gated read ``[B, S, hidden_size]``, the cache
-        holding these tokens too (the one passed in is unchanged) and the raw read.
-        A prefill followed by one-token steps equals one forward over the sequence.
-        ``retrieved`` skips the lookup (a read computed earlier for this ``x``).
-        ``attention_mask`` ``[B, S]`` (keep mask): dropped positions output zeros, get
-        no gradient, and cut the n-grams of the kept tokens after them (a left-padded
-        row equals the unpadded row; the cache remembers the padding)."""
+    def _cache_config(self) -> dict:
+        return {"max_ngram": self.max_ngram, "compress_dim": self.compressor.compress_dim}
+
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> EngramCache:
+        """An empty decoding cache for ``batch`` sequences on ``device`` (default: the
+        parameters'). ``dtype`` (default: the parameters') is the activations'; the
+        compressed prefix is kept in fp32 (fp64 for float64), where hashing runs."""
+        check_positive_int("batch", batch)
+        weight = self.compressor.proj.weight
+        dtype = weight.dtype if dtype is None else dtype
+        if dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"`dtype` of an EngramCache must be a float dtype, got {dtype}")
+        device = weight.device if device is None else device
+        prefix = torch.zeros(batch, 0, self.compressor.compress_dim, dtype=torch.promote_types(dtype, torch.float32),
+                             device=device)
+        return EngramCache(prefix, 0, self._cache_config())
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: EngramCache | None = None, *, retrieved: torch.Tensor | None = None) -> EngramOutput:
+        """``EngramOutput(output, cache, retrieved)``: the gated read ``[B, S,
+        hidden_size]``, the cache and the raw read. ``cache=None`` returns None; a cache
+        from :meth:`empty_cache` or an earlier call comes back as a new cache holding
+        these tokens too (the one passed in is unchanged). A prefill followed by
+        one-token steps equals one forward over the sequence. ``retrieved`` skips the
+        lookup (a read computed earlier for this ``x``). ``attention_mask`` ``[B, S]``
+        (keep mask): dropped positions output zeros, get no gradient, and cut the
+        n-grams of the kept tokens after them (a left-padded row equals the unpadded
+        row; the cache remembers the padding)."""
         check_tensor("x", x, ndim=3, layout="[batch, seq, hidden_size]")
         check_has_tokens("x", x)
-        config = {"max_ngram": self.max_ngram, "compress_dim": self.compressor.compress_dim}
-        if cache is None:
-            cache = EngramCache(config=config)
-        check_cache(cache, EngramCache, config, batch=x.shape[0])
+        if cache is not None:
+            check_cache(cache, EngramCache, self._cache_config(), batch=x.shape[0],
+                        dtype=torch.promote_types(x.dtype, torch.float32), device=x.device,
+                        cache_dtype=getattr(cache, "dtype", None), cache_device=getattr(cache, "device", None))
         keep = check_keep_mask("attention_mask", attention_mask, *x.shape[:2])
         (x,) = zero_padding(keep, x)   # padding contents (even NaN) reach neither the hash nor the gate
         compressed = self.compress(x)
         if retrieved is None:
-            # under autocast the frozen projection runs in bf16: the read joins x in x's dtype
-            retrieved = self.lookup(compressed, prefix=cache.prefix, attention_mask=keep,
-                                    prefix_mask=cache.prefix_keep).to(x.dtype)
+            prefix = None if cache is None or cache.prefix.shape[1] == 0 else cache.prefix
+            retrieved = self.lookup(compressed, keep, prefix=prefix,
+                                    prefix_mask=None if prefix is None else cache.keep)
+        # under autocast the frozen projection runs in bf16: the read joins x in the wider dtype
+        x, retrieved = match_activation_dtypes(x=x, retrieved=retrieved)
         out = self.gate(x, retrieved=retrieved)
         if keep is not None:
             (out,) = zero_padding(keep, out)
-        return EngramOutput(out, cache.advance(compressed, self.max_ngram, keep), retrieved)
-
-
-class _RMSNorm(nn.Module):
-    """``x·rsqrt(mean(x²) + eps)·weight`` (holds the seed's ``weight``)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
+        return EngramOutput(out, None if cache is None else cache.advance(compressed, self.max_ngram, keep), retrieved)
 
 
 class EngramLayerFusion(nn.Module):
@@ -697,12 +716,13 @@ class EngramLayerFusion(nn.Module):
     bias=False)``, zeros: an exact no-op at init), ``hidden_norm.weight``,
     ``ngram_norm.weight`` (ones).
 
-    Shapes: ``hidden`` and ``ngram`` ``[..., H]`` (same shape and dtype) → ``[..., H]``.
+    Shapes: ``x`` (the hidden state) and ``ngram`` ``[..., H]`` (same shape and dtype)
+    → ``[..., H]``.
 
     Example::
 
         fusion = EngramLayerFusion(512, 256)
-        x = fusion(x, ngram_read)
+        x = fusion(x, ngram=ngram_read)
     """
 
     def __init__(self, hidden_size: int, fusion_dim: int = 256, eps: float = 1e-6,
@@ -718,8 +738,8 @@ class EngramLayerFusion(nn.Module):
         self.key_proj = nn.Linear(hidden_size, fusion_dim, bias=False)
         self.value_proj = nn.Linear(hidden_size, fusion_dim, bias=False)
         self.out_proj = nn.Linear(fusion_dim, hidden_size, bias=False)
-        self.hidden_norm = _RMSNorm(fusion_dim, eps)
-        self.ngram_norm = _RMSNorm(fusion_dim, eps)
+        self.hidden_norm = RMSNorm(fusion_dim, eps, upcast=False)
+        self.ngram_norm = RMSNorm(fusion_dim, eps, upcast=False)
         for m in (self.hidden_down, self.key_proj, self.value_proj):
             nn.init.normal_(m.weight, std=0.02)
         nn.init.zeros_(self.out_proj.weight)
@@ -727,22 +747,20 @@ class EngramLayerFusion(nn.Module):
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, fusion_dim={self.fusion_dim}, eps={self.eps}, backend={self.backend!r}"
 
-    def forward(self, hidden: torch.Tensor, ngram: torch.Tensor) -> torch.Tensor:
-        check_tensor("hidden", hidden)
+    def forward(self, x: torch.Tensor, *, ngram: torch.Tensor) -> torch.Tensor:
+        check_tensor("x", x)
         check_tensor("ngram", ngram)
-        if hidden.dim() == 0 or hidden.shape[-1] != self.hidden_size:
-            raise ShapeError(f"last dim of `hidden` must be hidden_size={self.hidden_size}, got shape {tuple(hidden.shape)}")
-        if ngram.shape != hidden.shape:
-            raise ShapeError(f"`ngram` must have the shape of `hidden` {tuple(hidden.shape)}, got {tuple(ngram.shape)}")
-        check_has_tokens("hidden", hidden, None)
-        check_same_device(hidden=hidden, ngram=ngram, weight=self.out_proj.weight)
-        hidden, ngram = match_activation_dtypes(hidden=hidden, ngram=ngram)
-        if not torch.is_autocast_enabled(hidden.device.type) and hidden.dtype != self.out_proj.weight.dtype:
-            raise DTypeError(f"`hidden`/`ngram` dtype must match the module parameters ({self.out_proj.weight.dtype}) "
-                             f"outside autocast, got {hidden.dtype}")
-        args = (hidden, ngram, self.hidden_down.weight, self.key_proj.weight, self.value_proj.weight,
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        if ngram.shape != x.shape:
+            raise ShapeError(f"`ngram` must have the shape of `x` {tuple(x.shape)}, got {tuple(ngram.shape)}")
+        check_has_tokens("x", x, None)
+        check_same_device(x=x, ngram=ngram, weight=self.out_proj.weight)
+        x, ngram = match_activation_dtypes(x=x, ngram=ngram)
+        check_param_dtype("x", x, self.out_proj.weight)
+        args = (x, ngram, self.hidden_down.weight, self.key_proj.weight, self.value_proj.weight,
                 self.out_proj.weight, self.hidden_norm.weight, self.ngram_norm.weight, self.eps)
-        if resolve_backend(self.backend, hidden, ngram) == "triton":
+        if resolve_backend(self.backend, x, ngram) == "triton":
             from laminae.triton_ops.engram import engram_fusion
 
             return engram_fusion(*args)

@@ -16,21 +16,26 @@ and decoding needs no state (run it on each new token's hidden state).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import check_has_tokens, check_positive_float, check_positive_int, check_same_device, check_tensor
+from ._validation import (check_has_tokens, check_param_dtype, check_positive_float, check_positive_int,
+                          check_same_device, check_tensor, without_autocast)
+from .blocks.norms import RMSNorm, rms_norm
 
-__all__ = ["hrm_refinement_reference", "HRMRefinementBlock", "HRMRMSNorm"]
+__all__ = ["hrm_refinement_reference", "HRMRefinementBlock", "HRMRefinementOutput"]
 
 _ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-def _rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight
+class HRMRefinementOutput(NamedTuple):
+    output: torch.Tensor   # h_T, [..., D] in x's dtype
+    states: torch.Tensor   # [T, ..., D]: states[t] = h_{t+1} (deep supervision); states[-1] is output
 
 
 def hrm_refinement_reference(
@@ -66,31 +71,15 @@ def hrm_refinement_reference(
     h = anchor
     states = []
     for t in range(gate.shape[0]):
-        inp = torch.cat([_rms_norm(h, w_norm, eps), anchor], dim=-1)
+        inp = torch.cat([rms_norm(h, w_norm, eps, upcast=False), anchor], dim=-1)
         update = F.linear(F.silu(F.linear(inp, w_down)), w_up)
         h = h + gates[t].to(update.dtype) * update
         states.append(h.to(dtype))
     return torch.stack(states)
 
 
-class HRMRMSNorm(nn.Module):
-    """RMSNorm with the seed's parameter name (``weight``) and formula
-    ``x · rsqrt(mean(x²) + eps) · weight``, so seed checkpoints load as they are."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps)
-
-    def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
-
-
 class HRMRefinementBlock(nn.Module):
-    """HRM iterative refinement: ``h = block(x)`` or ``h, states = block(x, return_all=True)``.
+    """HRM iterative refinement: ``h, states = block(x)``.
 
     Args:
         hidden_size: D.
@@ -103,19 +92,20 @@ class HRMRefinementBlock(nn.Module):
         backend: "auto" | "triton" | "reference".
 
     Parameters (seed names, so a seed state dict loads with ``strict=True``):
-    ``norm.weight`` [D] (ones), ``down.weight`` [R, 2D] (normal, std 0.02),
-    ``up.weight`` [D, R] (zeros), ``gate`` [T] (``gate_init``).
+    ``norm.weight`` [D] (ones; the seed's RMSNorm in the input dtype), ``down.weight``
+    [R, 2D] (normal, std 0.02), ``up.weight`` [D, R] (zeros), ``gate`` [T] (``gate_init``).
 
     Shapes: ``x`` is ``[..., D]`` (typically ``[batch, seq, D]``), fp32/bf16/fp16 (fp64
-    on the reference backend). Returns ``h`` with x's shape and dtype; with
-    ``return_all=True`` also the list ``[h_1, ..., h_T]`` (``h_T`` is ``h``) for deep
-    supervision, as the seed does. Under autocast the kernel path computes in x's
-    dtype; the reference path follows autocast like the seed.
+    on the reference backend). Returns :class:`HRMRefinementOutput` ``(output,
+    states)``: ``output`` = h_T with x's shape and dtype, ``states`` ``[T, ..., D]`` the
+    per-step states h_1..h_T for deep supervision (``states[-1]`` is ``output``; both
+    backends compute them anyway, so returning them costs nothing). Under autocast the
+    block's math runs with autocast off in x's dtype on both backends (the cast policy).
 
     Example::
 
         block = HRMRefinementBlock(1024, refine_dim=256, steps=2)
-        h, states = block(hidden, return_all=True)   # hidden: [B, S, 1024]
+        h, states = block(hidden)        # hidden: [B, S, 1024]; states: [2, B, S, 1024]
     """
 
     def __init__(self, hidden_size: int, refine_dim: int, steps: int, eps: float = 1e-6,
@@ -133,7 +123,7 @@ class HRMRefinementBlock(nn.Module):
                 f"freezes the block at the identity), got {gate_init!r}")
         self.hidden_size, self.refine_dim, self.steps, self.eps = hidden_size, refine_dim, steps, eps
         self.backend = backend
-        self.norm = HRMRMSNorm(hidden_size, eps)
+        self.norm = RMSNorm(hidden_size, eps, upcast=False)
         self.down = nn.Linear(2 * hidden_size, refine_dim, bias=False)
         self.up = nn.Linear(refine_dim, hidden_size, bias=False)
         self.gate = nn.Parameter(torch.full((steps,), gate_init))
@@ -151,25 +141,21 @@ class HRMRefinementBlock(nn.Module):
         check_has_tokens("x", x, None)
         weight = self.down.weight
         check_same_device(x=x, weight=weight)
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise DTypeError(
-                f"`x` has dtype {str(x.dtype).replace('torch.', '')} but the module's parameters are "
-                f"{str(weight.dtype).replace('torch.', '')}: cast the module (e.g. .to(x.dtype)) or run under autocast")
+        check_param_dtype("x", x, weight)
 
-    def forward(self, x: torch.Tensor, return_all: bool = False):
+    def forward(self, x: torch.Tensor) -> HRMRefinementOutput:
         self._check(x)
         params = (self.norm.weight, self.down.weight, self.up.weight, self.gate)
-        if resolve_backend(self.backend, x) == "triton":
-            from laminae.triton_ops.hrm_refinement import hrm_refinement
+        # The math computes in x's dtype with fp32 accumulation on both backends;
+        # autocast would otherwise recast the matmuls inside it behind its back.
+        with without_autocast(x.device.type):
+            if resolve_backend(self.backend, x) == "triton":
+                from laminae.triton_ops.hrm_refinement import hrm_refinement
 
-            if x.dtype == torch.float64:
-                raise DTypeError("the Triton HRM refinement supports fp32/bf16/fp16 inputs, got float64; "
-                                 "use backend='reference'")
-            # The kernels compute in x's dtype with fp32 accumulation; autocast would
-            # otherwise recast the matmuls inside the op behind its back.
-            with torch.autocast(device_type=x.device.type, enabled=False):
+                if x.dtype == torch.float64:
+                    raise DTypeError("the Triton HRM refinement supports fp32/bf16/fp16 inputs, got float64; "
+                                     "use backend='reference'")
                 states = hrm_refinement(x, *params, eps=self.eps)
-        else:
-            states = hrm_refinement_reference(x, *params, eps=self.eps)
-        h = states[-1]
-        return (h, list(states.unbind(0))) if return_all else h
+            else:
+                states = hrm_refinement_reference(x, *params, eps=self.eps)
+        return HRMRefinementOutput(states[-1], states)

@@ -1,6 +1,7 @@
 """LAuReL: Learned Augmented Residual Layer (Menghani, Kumar & Kumar, ICML 2025).
 
-Generalises the residual connection around one sublayer with output ``f = f(x)``:
+Generalises the residual connection around one sublayer with output ``f`` (the
+``sublayer_output`` keyword of every entry point):
 
     RW     y = α_s·f + β_s·x                  (α_s, β_s) = softmax(α̃, β̃)
     LR     y = f + x + (x·A)·B                A: [D, r], B: [r, D]
@@ -33,27 +34,28 @@ def laurel_weights(alpha_logit: torch.Tensor, beta_logit: torch.Tensor) -> torch
 
 
 def laurel_reference(
-    f: torch.Tensor,
     x: torch.Tensor,
     alpha_logit: torch.Tensor | None = None,
     beta_logit: torch.Tensor | None = None,
     lr_A: torch.Tensor | None = None,
     lr_B: torch.Tensor | None = None,
     *,
+    sublayer_output: torch.Tensor,
     upcast: bool = True,
 ) -> torch.Tensor:
     """Reference LAuReL combination.
 
     Args:
-        f: branch output ``[..., D]``.
-        x: branch input residual ``[..., D]`` (same shape and dtype as ``f``).
+        x: the sublayer's input residual ``[..., D]`` (the stream LAuReL updates).
         alpha_logit, beta_logit: scalar logits; both given → RW weighting.
         lr_A ``[D, r]``, lr_B ``[r, D]``: both given → low-rank augmentation.
+        sublayer_output: the branch output f ``[..., D]`` (same shape and dtype as ``x``).
         upcast: compute in fp32 and cast back (the ground truth); ``False`` keeps
             the input dtype (the same-dtype eager baseline).
     Returns:
-        ``y`` with the shape and dtype of ``f``.
+        ``y`` with the shape and dtype of ``sublayer_output``.
     """
+    f = sublayer_output
     dtype = f.dtype
     # fp32 for fp32/bf16/fp16, fp64 stays fp64 (gradcheck and fp64 users get fp64 math)
     compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
@@ -80,7 +82,7 @@ def laurel_lr_init(hidden_size: int, rank: int) -> torch.Tensor:
 
 
 class LAuReL(nn.Module):
-    """LAuReL residual combination for one sublayer: ``y = module(f, x)``.
+    """LAuReL residual combination for one sublayer: ``y = module(x, sublayer_output=f)``.
 
     Args:
         hidden_size: D.
@@ -93,12 +95,13 @@ class LAuReL(nn.Module):
         check_finite: raise if the RW logits are not finite. ``None`` (default) checks
             on CPU only, since on a GPU the check synchronises the device every call.
 
-    Shapes: ``f`` and ``x`` are ``[..., D]`` (typically ``[batch, seq, D]``), fp32/bf16/fp16.
+    Shapes: ``x`` (the residual stream) and ``sublayer_output`` are ``[..., D]``
+    (typically ``[batch, seq, D]``), fp32/bf16/fp16; returns ``y`` of that shape.
 
     Example::
 
         laurel = LAuReL(512, use_rw=True, use_lr=True, lr_rank=32)
-        y = laurel(attn(norm(x)), x)
+        x = laurel(x, sublayer_output=attn(norm(x)))
     """
 
     def __init__(
@@ -145,29 +148,32 @@ class LAuReL(nn.Module):
         lb = self.lr_B if self.use_lr else None
         return a, b, la, lb
 
-    def forward(self, f: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        check_tensor("f", f, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+    def forward(self, x: torch.Tensor, *, sublayer_output: torch.Tensor) -> torch.Tensor:
+        f = sublayer_output
         check_tensor("x", x)
+        check_tensor("sublayer_output", f)
         if f.shape != x.shape:
-            raise ShapeError(f"`f` and `x` must have the same shape, got f {tuple(f.shape)} and x {tuple(x.shape)}")
-        if f.dim() == 0 or f.shape[-1] != self.hidden_size:
-            raise ShapeError(f"last dim of `f`/`x` must be hidden_size={self.hidden_size}, got shape {tuple(f.shape)}")
-        check_has_tokens("f", f, None)
-        check_same_device(f=f, x=x, weight=next(self.parameters()))
-        f, x = match_activation_dtypes(f=f, x=x)
+            raise ShapeError(f"`sublayer_output` must have the shape of `x` {tuple(x.shape)}, got {tuple(f.shape)}")
+        if x.dim() == 0 or x.shape[-1] != self.hidden_size:
+            raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
+        check_has_tokens("x", x, None)
+        check_same_device(x=x, sublayer_output=f, weight=next(self.parameters()))
+        x, f = match_activation_dtypes(x=x, sublayer_output=f)
         params = self._params()
         # Reading the logits' finiteness on a GPU is a device sync per call; there it
         # runs only when asked for (check_finite=True), on CPU always.
         check = self.check_finite if self.check_finite is not None else params[0] is not None and params[0].device.type == "cpu"
         if self.use_rw and check and not torch.compiler.is_compiling():
-            if not bool(torch.isfinite(torch.stack([params[0], params[1]])).all()):
-                raise ValueError("LAuReL `alpha_logit`/`beta_logit` are not finite")
+            logits = torch.stack([params[0], params[1]]).detach()
+            if not bool(torch.isfinite(logits).all()):
+                raise ConfigError(f"LAuReL `alpha_logit`/`beta_logit` must be finite, got {logits.tolist()} "
+                                  "(a diverged step; check_finite=False skips this check)")
         with without_autocast(f.device.type):
-            if resolve_backend(self.backend, f, x) == "triton":
+            if resolve_backend(self.backend, x, f) == "triton":
                 from laminae.triton_ops.laurel import laurel
 
-                return laurel(f, x, *params)
-            return laurel_reference(f, x, *params)
+                return laurel(x, *params, sublayer_output=f)
+            return laurel_reference(x, *params, sublayer_output=f)
 
 
 class LAuReLBlock(nn.Module):
@@ -188,4 +194,4 @@ class LAuReLBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
-        return self.laurel(self.sublayer(h), x if self.augment_input == "residual" else h)
+        return self.laurel(x if self.augment_input == "residual" else h, sublayer_output=self.sublayer(h))

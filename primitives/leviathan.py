@@ -27,13 +27,13 @@ import torch
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
-from ._errors import ConfigError, DTypeError, ShapeError, TokenIdError
+from ._errors import ConfigError, DTypeError, ShapeError
 from ._token_ids import check_token_ids, ids_in_range, nan_rows, safe_ids
-from ._validation import check_choice, check_keep_mask, check_positive_int, check_same_device, check_tensor
-from ._validation import check_has_tokens
+from ._validation import (check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
+                          check_tensor, without_autocast, zero_padding)
 
 __all__ = [
-    "LeviathanGenerator", "TokenIdError", "leviathan_reference", "leviathan_base", "leviathan_digits",
+    "LeviathanGenerator", "leviathan_reference", "leviathan_base", "leviathan_digits",
     "leviathan_basis", "leviathan_knot_grid", "leviathan_kwargs_from_config",
 ]
 
@@ -325,7 +325,7 @@ class LeviathanGenerator(nn.Module):
             if input_ids.dim() != 2:
                 raise ShapeError(f"`input_ids` must be 2-D (batch, seq) with an attention_mask, got shape "
                                  f"{tuple(input_ids.shape)}")
-            keep = check_keep_mask("attention_mask", attention_mask, *input_ids.shape).bool()
+            keep = check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
             check_same_device(input_ids=input_ids, attention_mask=keep)
         if self.validate_ids:
             check_token_ids("input_ids", input_ids, self.vocab_size, keep)
@@ -334,7 +334,7 @@ class LeviathanGenerator(nn.Module):
         ids = input_ids if keep is None else torch.where(keep, input_ids, torch.zeros_like(input_ids))
         # An embedding's output dtype is its parameters' dtype; autocast must not recast the
         # spline chain (it runs in fp32 by design).
-        with torch.autocast(ids.device.type, enabled=False):
+        with without_autocast(ids.device.type):
             if self._resolve(ids) == "triton":
                 from laminae.triton_ops.leviathan import leviathan
 
@@ -342,6 +342,5 @@ class LeviathanGenerator(nn.Module):
                                 unique_ids=self.unique_ids)
             else:
                 out = leviathan_reference(ids, *self._params(), self.knot_grid, vocab_size=self.vocab_size)
-        if keep is not None:
-            out = torch.where(keep.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype, device=out.device))
+        (out,) = zero_padding(keep, out)
         return out

@@ -31,15 +31,17 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import AppendBuffer, DecodingCache, check_cache
-from ._errors import DeviceError, ShapeError
-from ._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_positive_float, check_positive_int,
-                          check_same_device, check_same_dtype, check_tensor, zero_padding)
+from ._errors import DTypeError, ShapeError
+from ._outputs import BlockOutput
+from ._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_param_dtype, check_positive_float,
+                          check_positive_int, check_same_device, check_same_dtype, check_tensor, without_autocast,
+                          zero_padding)
 
 _warned_tiles: set[tuple[int, int]] = set()
 
 __all__ = [
     "memory_caching_reference", "check_memory_caching_inputs", "elu_feature_map",
-    "MemoryCacheBranch", "MemoryCachingCache", "MemoryCacheState",
+    "MemoryCacheBranch", "MemoryCachingCache",
 ]
 
 
@@ -48,7 +50,7 @@ def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     return F.elu(x) + 1.0
 
 
-def check_memory_caching_inputs(q, k, v, u, p, segment_len, mask, eps) -> None:
+def check_memory_caching_inputs(q, k, v, u, p, segment_len, attention_mask, eps) -> None:
     """Validate the arguments of :func:`memory_caching_reference` (and its kernel)."""
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES, layout="[batch, seq, heads, head_dim]")
     B, S, H, D = q.shape
@@ -62,8 +64,8 @@ def check_memory_caching_inputs(q, k, v, u, p, segment_len, mask, eps) -> None:
         raise ShapeError(f"memory caching needs at least one token, head, head dim and gate dim; "
                          f"got q {tuple(q.shape)}, u {tuple(u.shape)}")
     check_same_dtype(q=q, k=k, v=v, u=u, p=p)
-    check_same_device(q=q, k=k, v=v, u=u, p=p, mask=mask)
-    check_keep_mask("mask", mask, B, S)
+    check_same_device(q=q, k=k, v=v, u=u, p=p, attention_mask=attention_mask)
+    check_keep_mask("attention_mask", attention_mask, B, S)
     check_positive_int("segment_len", segment_len)
     check_positive_float("eps", eps)
 
@@ -75,7 +77,7 @@ def memory_caching_reference(
     u: torch.Tensor,
     p: torch.Tensor,
     segment_len: int,
-    mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     eps: float = 1e-6,
     *,
     upcast: bool = True,
@@ -87,7 +89,7 @@ def memory_caching_reference(
         u: ``[B, S, G]`` per-token gate queries.
         p: ``[B, S, G]`` per-token gate keys, mean-pooled per segment.
         segment_len: L, tokens per segment; S need not be a multiple of L.
-        mask: optional ``(B, S)`` 0/1 keep mask (padding).
+        attention_mask: optional ``(B, S)`` keep mask (bool, or integer 0/1; padding).
         eps: added to the global denominator.
         upcast: compute in fp32 (fp64 stays fp64) and cast back — the ground truth;
             ``False`` computes in the input dtype.
@@ -97,14 +99,15 @@ def memory_caching_reference(
     Written for clarity: it builds every (query segment, key segment) readout,
     a [B, N, N, L, H, D] tensor for N = ⌈S/L⌉ segments.
     """
-    check_memory_caching_inputs(q, k, v, u, p, segment_len, mask, eps)
+    check_memory_caching_inputs(q, k, v, u, p, segment_len, attention_mask, eps)
     dtype = q.dtype
     cdt = torch.promote_types(dtype, torch.float32) if upcast else dtype
     B, S, H, D = q.shape
     L = segment_len
     N = -(-S // L)
     pad = N * L - S
-    keep = torch.ones(B, S, dtype=cdt, device=q.device) if mask is None else (mask != 0).to(cdt)
+    keep = (torch.ones(B, S, dtype=cdt, device=q.device) if attention_mask is None
+            else (attention_mask != 0).to(cdt))
 
     def segments(t: torch.Tensor) -> torch.Tensor:  # [B, S, ...] -> [B, N, L, ...]
         t = t.to(cdt)
@@ -158,83 +161,126 @@ def memory_caching_reference(
 
 
 class MemoryCachingCache(DecodingCache):
-    """Exact running state of a :class:`MemoryCacheBranch`: the closed segments'
-    memories, the open segment's running sums and the token count. All fp32, detached.
+    """Exact running state of a :class:`MemoryCacheBranch` (start one with
+    :meth:`MemoryCacheBranch.empty_cache`). Detached, in fp32 (the branch computes in
+    fp32 whatever the activations' dtype).
 
-    ``mems`` ``[B, n, H, D, D]``, ``mem_zs`` ``[B, n, H, D]``, ``pools`` ``[B, n, G]``
-    for the n closed segments (an :class:`~laminae.primitives._cache.AppendBuffer`,
-    one append per closed segment); ``run_mem`` ``[B, H, D, D]``, ``run_z`` ``[B, H, D]``,
-    ``run_p`` ``[B, G]`` (sum of valid p), ``run_count`` ``[B]`` (valid tokens) for the
-    open one; ``fill`` its token count (< L); ``length`` all tokens seen.
+    Closed segments (one append per segment that filled up, in an
+    :class:`~laminae.primitives._cache.AppendBuffer`): ``segment_memories``
+    ``[B, n, H, D, D]``, ``segment_normalisers`` ``[B, n, H, D]``, ``segment_pools``
+    ``[B, n, G]``. The open segment: ``open_memory`` ``[B, H, D, D]``,
+    ``open_normaliser`` ``[B, H, D]``, ``open_pool_sum`` ``[B, G]`` (sum of the kept
+    tokens' p), ``open_kept`` ``[B]`` (kept tokens), ``open_length`` (its tokens, < L).
+    ``length``: every token seen.
 
-    A prefill only records its (φk, v, p, keep) and the memories are built at the first
-    decoding step, so a training forward pays nothing for the returned cache. A call
-    never changes the cache it was given. A weight-shared (looped) stack that calls
-    one module several times per token keeps one cache per call site.
+    A call never changes the cache it was given. A weight-shared (looped) stack that
+    calls one module several times per token keeps one cache per call site.
     """
 
-    def __init__(self, config: dict | None = None, closed: AppendBuffer | None = None,
-                 run: tuple | None = None, fill: int = 0, length: int = 0, pending: tuple | None = None) -> None:
-        self.config = dict(config or {})
-        self.closed = closed if closed is not None else AppendBuffer()
-        self.run, self.fill, self._length, self.pending = run, fill, length, pending
+    def __init__(self, config: dict, closed: AppendBuffer, open_state: tuple[torch.Tensor, ...],
+                 open_length: int = 0, length: int = 0) -> None:
+        self.config = dict(config)
+        self._closed, self._open = closed, tuple(open_state)
+        self.open_length, self._length = int(open_length), int(length)
 
     @property
     def length(self) -> int:
         return self._length
 
     @property
-    def batch(self) -> int | None:
-        if self.pending is not None:
-            return self.pending[0].shape[0]
-        return None if self.run is None else self.run[0].shape[0]
+    def batch(self) -> int:
+        return self._open[0].shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._open[0].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._open[0].device
+
+    @property
+    def segment_memories(self) -> torch.Tensor | None:
+        return self._closed.get("memories")
+
+    @property
+    def segment_normalisers(self) -> torch.Tensor | None:
+        return self._closed.get("normalisers")
+
+    @property
+    def segment_pools(self) -> torch.Tensor | None:
+        return self._closed.get("pools")
+
+    @property
+    def open_memory(self) -> torch.Tensor:
+        return self._open[0]
+
+    @property
+    def open_normaliser(self) -> torch.Tensor:
+        return self._open[1]
+
+    @property
+    def open_pool_sum(self) -> torch.Tensor:
+        return self._open[2]
+
+    @property
+    def open_kept(self) -> torch.Tensor:
+        return self._open[3]
 
     def reset(self) -> None:
-        self.closed, self.run, self.fill, self._length, self.pending = AppendBuffer(), None, 0, 0, None
+        # the next append branches off the shared storage: caches sharing it keep their segments
+        self._closed = AppendBuffer(self._closed._storage, 0)
+        self._open = tuple(torch.zeros_like(t) for t in self._open)
+        self.open_length, self._length = 0, 0
 
     def clone(self) -> "MemoryCachingCache":
-        clone = lambda ts: None if ts is None else tuple(t.clone() for t in ts)  # noqa: E731
-        return MemoryCachingCache(self.config, self.closed.clone(), clone(self.run), self.fill, self._length,
-                                  clone(self.pending))
-
-    def materialised(self, segment_len: int) -> "MemoryCachingCache":
-        """This cache with the pending prefill turned into memories (a new object)."""
-        if self.pending is None:
-            return self
-        return _capture(*self.pending, segment_len, self.config)
+        return MemoryCachingCache(self.config, self._closed.clone(), tuple(t.clone() for t in self._open),
+                                  self.open_length, self._length)
 
 
-MemoryCacheState = MemoryCachingCache  # the earlier name
+MIN_SEGMENTS = 4   # closed segments an empty cache has room for before its storage grows
 
 
-def _capture(phi_k, v, p, keep, segment_len: int, config: dict) -> MemoryCachingCache:
-    """State after a prefill of S tokens: phi_k, v ``[B, S, H, D]`` (phi_k already
-    masked), p ``[B, S, G]`` (masked), keep ``[B, S]``; all fp32."""
+def _empty_state(batch: int, num_heads: int, head_dim: int, gate_dim: int, config: dict,
+                 device: torch.device | str | None) -> MemoryCachingCache:
+    H, D, G = num_heads, head_dim, gate_dim
+    f32 = torch.float32
+    closed = AppendBuffer.preallocate(
+        MIN_SEGMENTS, {"memories": ((H, D, D), f32), "normalisers": ((H, D), f32), "pools": ((G,), f32)},
+        batch, device)
+    zeros = lambda *shape: torch.zeros(batch, *shape, dtype=f32, device=device)  # noqa: E731
+    return MemoryCachingCache(config, closed, (zeros(H, D, D), zeros(H, D), zeros(G), zeros()))
+
+
+def _prefill(cache: MemoryCachingCache, phi_k, v, p, keep, segment_len: int) -> MemoryCachingCache:
+    """``cache`` (empty) after a prefill of S tokens: phi_k, v ``[B, S, H, D]`` (phi_k
+    already masked), p ``[B, S, G]`` (masked), keep ``[B, S]``; all fp32."""
     B, S, H, D = phi_k.shape
     G = p.shape[-1]
     L = segment_len
     closed = S // L
     n = closed * L
-    ks = phi_k[:, :n].reshape(B, closed, L, H, D)
-    vs = v[:, :n].reshape(B, closed, L, H, D)
-    counts = keep[:, :n].reshape(B, closed, L).sum(2).clamp_min(1)
-    segments = AppendBuffer.wrap(mems=torch.einsum("bnlhd,bnlhe->bnhde", ks, vs), mem_zs=ks.sum(2),
-                                 pools=p[:, :n].reshape(B, closed, L, G).sum(2) / counts[..., None])
-    run = (torch.einsum("blhd,blhe->bhde", phi_k[:, n:], v[:, n:]), phi_k[:, n:].sum(1), p[:, n:].sum(1),
-           keep[:, n:].sum(1))
-    return MemoryCachingCache(config, segments, run, S - n, S)
+    segments = cache._closed
+    if closed:
+        ks = phi_k[:, :n].reshape(B, closed, L, H, D)
+        vs = v[:, :n].reshape(B, closed, L, H, D)
+        counts = keep[:, :n].reshape(B, closed, L).sum(2).clamp_min(1)
+        segments = segments.append(memories=torch.einsum("bnlhd,bnlhe->bnhde", ks, vs), normalisers=ks.sum(2),
+                                   pools=p[:, :n].reshape(B, closed, L, G).sum(2) / counts[..., None])
+    open_state = (torch.einsum("blhd,blhe->bhde", phi_k[:, n:], v[:, n:]), phi_k[:, n:].sum(1), p[:, n:].sum(1),
+                  keep[:, n:].sum(1))
+    return MemoryCachingCache(cache.config, segments, open_state, S - n, S)
 
 
 def _step(cache: MemoryCachingCache, phi_q, phi_k, v, u, p, keep, segment_len: int,
           eps: float) -> tuple[torch.Tensor, MemoryCachingCache]:
     """One token: phi_q, phi_k (masked), v ``[B, H, D]``; u, p (masked) ``[B, G]``;
     keep ``[B]``. Returns y ``[B, H, D]`` and the advanced cache (``cache`` unchanged)."""
-    run_mem, run_z, run_p, run_count = cache.run
-    run_mem = run_mem + torch.einsum("bhd,bhe->bhde", phi_k, v)
-    run_z, run_p, run_count = run_z + phi_k, run_p + p, run_count + keep
-    fill, length = cache.fill + 1, cache.length + 1
+    run_mem = cache.open_memory + torch.einsum("bhd,bhe->bhde", phi_k, v)
+    run_z, run_p, run_count = cache.open_normaliser + phi_k, cache.open_pool_sum + p, cache.open_kept + keep
+    fill, length = cache.open_length + 1, cache.length + 1
 
-    mems, mem_zs, pools = (cache.closed.get(n) for n in ("mems", "mem_zs", "pools"))
+    mems, mem_zs, pools = cache.segment_memories, cache.segment_normalisers, cache.segment_pools
     running_pool = run_p / run_count.clamp_min(1)[:, None]
     num = torch.einsum("bhd,bhde->bhe", phi_q, run_mem)[:, None]                          # [B, 1, H, D]
     den = torch.einsum("bhd,bhd->bh", phi_q, run_z)[:, None]                              # [B, 1, H]
@@ -246,9 +292,9 @@ def _step(cache: MemoryCachingCache, phi_q, phi_k, v, u, p, keep, segment_len: i
     gamma = torch.softmax(score, dim=1)                                                   # [B, n+1]
     y = (gamma[:, :, None, None] * num).sum(1) / ((gamma[:, :, None] * den).sum(1)[..., None] + eps)
 
-    closed = cache.closed
+    closed = cache._closed
     if fill == segment_len:   # the open segment is complete: close it
-        closed = closed.append(mems=run_mem[:, None], mem_zs=run_z[:, None], pools=running_pool[:, None])
+        closed = closed.append(memories=run_mem[:, None], normalisers=run_z[:, None], pools=running_pool[:, None])
         run_mem, run_z, run_p, run_count = (torch.zeros_like(t) for t in (run_mem, run_z, run_p, run_count))
         fill = 0
     return y, MemoryCachingCache(cache.config, closed, (run_mem, run_z, run_p, run_count), fill, length)
@@ -277,20 +323,22 @@ class MemoryCacheBranch(nn.Module):
     ``q_proj``, ``k_proj``, ``v_proj`` [H·D, hidden], ``o_proj`` [hidden, H·D],
     ``u_proj``, ``p_proj`` [G, hidden]. No buffers.
 
-    ``forward(x, attention_mask=None, cache=None) -> (y, cache)``:
-    ``x`` ``[B, S, hidden]`` (any float dtype; the branch runs in fp32 and returns
-    ``x.dtype``), ``attention_mask`` an optional ``(B, S)`` keep mask for the S
-    tokens of ``x``. Without a cache (or an empty one) it is the full forward; with
-    the :class:`MemoryCachingCache` of an earlier call the S tokens continue it one
-    at a time (exact: prefill + steps == full forward; steps run without autograd).
-    The returned cache holds these tokens too; the one passed in is unchanged.
+    ``forward(x, attention_mask=None, cache=None) -> BlockOutput(output, cache)``:
+    ``x`` ``[B, S, hidden]`` (the parameters' dtype, or any float dtype under
+    autocast; the branch runs in fp32 and returns ``x.dtype``), ``attention_mask`` an
+    optional ``(B, S)`` keep mask for the S tokens of ``x``. ``cache=None`` is the full
+    forward and returns no cache. To decode, start from :meth:`empty_cache`: the first
+    call (the prefill) is the full forward and records the segment memories; later
+    calls continue them one token at a time (exact: prefill + steps == full forward;
+    steps run without autograd). The returned cache holds these tokens too; the one
+    passed in is unchanged.
 
     Example::
 
         branch = MemoryCacheBranch(256, num_heads=4, head_dim=32, segment_len=64, gate_dim=64)
-        y, _ = branch(x)                                  # training / full sequence
-        y, cache = branch(x_prompt, prompt_mask)          # prefill
-        y1, cache = branch(x_next, cache=cache)           # one token
+        y, _ = branch(x)                                                   # training
+        y, cache = branch(x_prompt, prompt_mask, cache=branch.empty_cache(batch))   # prefill
+        y1, cache = branch(x_next, cache=cache)                            # one token
     """
 
     def __init__(
@@ -340,51 +388,64 @@ class MemoryCacheBranch(nn.Module):
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         check_has_tokens("x", x)
         check_same_device(x=x, attention_mask=attention_mask, weight=self.q_proj.weight)
+        check_param_dtype("x", x, self.q_proj.weight)
         check_keep_mask("attention_mask", attention_mask, x.shape[0], x.shape[1])
         if cache is not None:
-            check_cache(cache, MemoryCachingCache, self._cache_config(), batch=x.shape[0])
+            check_cache(cache, MemoryCachingCache, self._cache_config(), batch=x.shape[0], dtype=torch.float32,
+                        device=x.device, cache_dtype=getattr(cache, "dtype", None),
+                        cache_device=getattr(cache, "device", None))
 
     def _cache_config(self) -> dict:
         return {"num_heads": self.num_heads, "head_dim": self.head_dim, "segment_len": self.segment_len,
                 "gate_dim": self.gate_dim}
 
-    def _readout(self, q, k, v, u, p, mask) -> torch.Tensor:
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> MemoryCachingCache:
+        """An empty decoding cache for ``batch`` sequences on ``device`` (default: the
+        parameters'). ``dtype`` (default: the parameters') is the activations'; the
+        state is fp32 whatever it is, as the branch computes in fp32."""
+        check_positive_int("batch", batch)
+        if dtype is not None and dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"`dtype` of a MemoryCachingCache must be a float dtype, got {dtype}")
+        device = self.q_proj.weight.device if device is None else device
+        return _empty_state(batch, self.num_heads, self.head_dim, self.gate_dim, self._cache_config(), device)
+
+    def _readout(self, q, k, v, u, p, attention_mask) -> torch.Tensor:
         if resolve_backend(self.backend, q) == "triton":
             from laminae.triton_ops.memory_caching import memory_caching, supports_tile
 
             if self.backend == "triton" or supports_tile(self.segment_len, self.head_dim):
-                return memory_caching(q, k, v, u, p, self.segment_len, mask, self.eps)
+                return memory_caching(q, k, v, u, p, self.segment_len, attention_mask, self.eps)
             key = (self.segment_len, self.head_dim)
             if key not in _warned_tiles:
                 _warned_tiles.add(key)
                 warnings.warn(f"laminae: MemoryCacheBranch(segment_len={self.segment_len}, "
                               f"head_dim={self.head_dim}) has no Triton tile; backend='auto' runs the reference",
                               stacklevel=3)
-        return memory_caching_reference(q, k, v, u, p, self.segment_len, mask, self.eps)
+        return memory_caching_reference(q, k, v, u, p, self.segment_len, attention_mask, self.eps)
 
     def forward(
         self,
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: MemoryCachingCache | None = None,
-    ) -> tuple[torch.Tensor, MemoryCachingCache]:
+    ) -> BlockOutput:
         self._check(x, attention_mask, cache)
         B, S, _ = x.shape
-        (x,) = zero_padding(attention_mask, x)   # padded tokens (even NaN) reach nothing
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            xf = x.float()
-            q, k, v, u, p = self._project(xf)
-            keep = None if attention_mask is None else attention_mask != 0   # an integer mask: 1 = keep
-            kf = torch.ones(B, S, device=x.device) if keep is None else keep.to(torch.float32)
+        keep = check_keep_mask("attention_mask", attention_mask, B, S)
+        (x,) = zero_padding(keep, x)   # padded tokens (even NaN) reach nothing
+        with without_autocast(x.device.type):
+            q, k, v, u, p = self._project(x.float())   # the branch computes in fp32 (its denominator)
+            kf = torch.ones(B, S, device=x.device) if keep is None else keep.float()
             if cache is None or cache.length == 0:
                 y = self._readout(q, k, v, u, p, keep)
-                kept = kf[..., None, None] > 0
-                pending = tuple(t.detach() for t in (torch.where(kept, elu_feature_map(k), 0.0), v,
-                                                     torch.where(kept[..., 0], p, 0.0), kf))
-                cache = MemoryCachingCache(self._cache_config(), length=S, pending=pending)
+                if cache is not None:
+                    with torch.no_grad():
+                        kept = kf[..., None, None] > 0
+                        cache = _prefill(cache, torch.where(kept, elu_feature_map(k), 0.0), v,
+                                         torch.where(kept[..., 0], p, 0.0), kf, self.segment_len)
             else:
                 with torch.no_grad():
-                    cache = cache.materialised(self.segment_len)
                     phi_q, phi_k = elu_feature_map(q), torch.where(kf[..., None, None] > 0, elu_feature_map(k), 0.0)
                     pm = torch.where(kf[..., None] > 0, p, 0.0)
                     ys = []
@@ -394,4 +455,4 @@ class MemoryCacheBranch(nn.Module):
                         ys.append(yt)
                 y = torch.stack(ys, dim=1)
             out = F.linear(y.reshape(B, S, -1), self.o_proj.weight.float())
-        return out.to(x.dtype), cache
+        return BlockOutput(out.to(x.dtype), cache)

@@ -30,9 +30,10 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
-from ._errors import ConfigError, ShapeError
+from ._errors import ConfigError, DTypeError, ShapeError
+from ._outputs import BlockOutput
 from ._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_param_dtype, check_positive_int,
-                          check_same_device, check_tensor, zero_padding)
+                          check_same_device, check_tensor, match_activation_dtypes, without_autocast, zero_padding)
 
 __all__ = [
     "GATE_FLOOR",
@@ -48,8 +49,6 @@ __all__ = [
     "MoMRouting",
     "MoMAuxStats",
     "MoMReadCache",
-    "MoMReadState",
-    "MoMReadOutput",
     "MoMRead",
 ]
 
@@ -67,15 +66,18 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def mom_prefix_mean(x: torch.Tensor, prefix_sum: torch.Tensor | None = None, count: int = 0,
-                    keep: torch.Tensor | None = None, prefix_kept: torch.Tensor | None = None) -> torch.Tensor:
+                    attention_mask: torch.Tensor | None = None,
+                    prefix_kept: torch.Tensor | None = None) -> torch.Tensor:
     """Causal prefix mean ``h_t = mean(x_0..x_t)`` in fp32 (fp64 for fp64 input).
 
     ``x`` ``[B, S, D]``. With ``prefix_sum`` ``[B, D]`` (the fp32 sum of the ``count``
     tokens before this chunk) the chunk continues a running mean: decoding. With a
-    ``(B, S)`` keep mask the mean runs over kept tokens only (``prefix_kept`` ``[B]``:
-    kept tokens before this chunk); a position with no kept token so far gets 0.
+    ``(B, S)`` ``attention_mask`` (keep mask) the mean runs over kept tokens only
+    (``prefix_kept`` ``[B]``: kept tokens before this chunk); a position with no kept
+    token so far gets 0.
     """
     xc = x.to(_compute_dtype(x.dtype))
+    keep = attention_mask
     if keep is not None:
         xc = torch.where(keep.to(x.device).bool()[..., None], xc, torch.zeros((), dtype=xc.dtype, device=x.device))
     cs = torch.cumsum(xc, dim=1)
@@ -284,40 +286,46 @@ def collect_mom_aux_loss(modules: Iterable[nn.Module], device: torch.device | st
 
 
 class MoMReadCache(DecodingCache):
-    """The running fp32 sum of the layer inputs seen so far (``prefix_sum`` ``[B, D]``,
-    ``None`` before the first token) and their count. The router of a new token needs
-    only this; the bank read has no per-token cache. Returned by :class:`MoMRead`; a
-    call never changes the cache it was given.
+    """What the router of a new token needs (the bank read has no per-token cache):
+    ``prefix_sum`` ``[B, D]``, the running sum of the layer inputs seen so far (fp32;
+    fp64 for a float64 module), ``length`` their count, and ``kept_count`` ``[B]`` the
+    kept tokens among them (None while no padding mask was passed: all kept). Start
+    one with :meth:`MoMRead.empty_cache`; a call never changes the cache it was given.
 
     Example::
 
-        out, cache = mom(x_prompt, bank)                 # prefill
-        out, cache = mom(x_next, bank, cache=cache)      # one token at a time
+        cache = mom.empty_cache(batch)
+        out, cache = mom(x_prompt, cache=cache, M_blocks=bank)     # prefill
+        out, cache = mom(x_next, cache=cache, M_blocks=bank)       # one token at a time
     """
 
-    def __init__(self, prefix_sum: torch.Tensor | None = None, count: int = 0, config: dict | None = None,
-                 kept: torch.Tensor | None = None) -> None:
-        # kept: [B] kept tokens so far, None while no padding mask was ever passed (= count)
-        self.prefix_sum, self.count, self.config, self.kept = prefix_sum, int(count), dict(config or {}), kept
+    def __init__(self, prefix_sum: torch.Tensor, length: int = 0, config: dict | None = None,
+                 kept_count: torch.Tensor | None = None) -> None:
+        self.prefix_sum, self._length, self.config = prefix_sum, int(length), dict(config or {})
+        self.kept_count = kept_count
 
     @property
     def length(self) -> int:
-        return self.count
+        return self._length
 
     @property
-    def batch(self) -> int | None:
-        return None if self.prefix_sum is None else self.prefix_sum.shape[0]
+    def batch(self) -> int:
+        return self.prefix_sum.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.prefix_sum.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.prefix_sum.device
 
     def reset(self) -> None:
-        self.prefix_sum, self.count, self.kept = None, 0, None
+        self.prefix_sum, self._length, self.kept_count = torch.zeros_like(self.prefix_sum), 0, None
 
-
-MoMReadState = MoMReadCache  # the earlier name
-
-
-class MoMReadOutput(NamedTuple):
-    output: torch.Tensor              # [B, S, D], added to the residual stream
-    cache: MoMReadCache               # holds this call's tokens too
+    def clone(self) -> "MoMReadCache":
+        kept = None if self.kept_count is None else self.kept_count.clone()
+        return MoMReadCache(self.prefix_sum.clone(), self._length, self.config, kept)
 
 
 # ----------------------------------------------------------------------------
@@ -355,7 +363,7 @@ class MoMRead(nn.Module):
 
         bank = nn.Parameter(MoMRead.init_bank(num_blocks=8, block_size=128, hidden_size=1024))
         mom = MoMRead(1024, 16, mem_size=1024, block_size=128, top_blocks=2, router_rank=32)
-        y, _ = mom(mom_norm(x), bank)
+        y, _ = mom(mom_norm(x), M_blocks=bank)
     """
 
     def __init__(
@@ -429,40 +437,55 @@ class MoMRead(nn.Module):
                 f"block_size={self.block_size}, top_blocks={self.top_blocks}, router_rank={self.router_rank}, "
                 f"backend={self.backend!r}")
 
-    def _check(self, x: torch.Tensor, M_blocks: torch.Tensor | None, state: MoMReadCache | None) -> None:
+    def _cache_config(self) -> dict:
+        return {"hidden_size": self.hidden_size}
+
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> MoMReadCache:
+        """An empty decoding cache for ``batch`` sequences on ``device`` (default: the
+        parameters'). ``dtype`` (default: the parameters') is the activations'; the
+        running sum is kept in fp32 (fp64 for float64)."""
+        check_positive_int("batch", batch)
+        dtype = self.q_proj.weight.dtype if dtype is None else dtype
+        if dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"`dtype` of a MoMReadCache must be a float dtype, got {dtype}")
+        device = self.q_proj.weight.device if device is None else device
+        zeros = torch.zeros(batch, self.hidden_size, dtype=_compute_dtype(dtype), device=device)
+        return MoMReadCache(zeros, 0, self._cache_config())
+
+    def _check(self, x: torch.Tensor, M_blocks: torch.Tensor | None, cache: MoMReadCache | None) -> None:
         check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="(batch, seq, hidden)")
         if x.shape[-1] != self.hidden_size:
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         check_has_tokens("x", x)
         if M_blocks is None:
-            raise ValueError("`M_blocks` is required: the MoM read cannot run without the shared memory bank")
+            raise ConfigError("`M_blocks` is required: the MoM read cannot run without the shared memory bank")
         check_tensor("M_blocks", M_blocks, shape=(self.num_blocks, self.block_size * self.hidden_size),
                      dtypes=FLOAT_DTYPES, layout="(num_blocks, block_size * hidden_size)")
         check_same_device(x=x, M_blocks=M_blocks, weight=self.q_proj.weight)
         check_param_dtype("x", x, self.q_proj.weight)
         check_param_dtype("M_blocks", M_blocks, self.k_proj.weight)
-        if state is not None:
-            check_cache(state, MoMReadCache, {"hidden_size": self.hidden_size}, batch=x.shape[0])
-            if state.prefix_sum is not None:
-                check_tensor("cache.prefix_sum", state.prefix_sum, shape=(x.shape[0], self.hidden_size),
-                             layout="(batch, hidden)")
-                check_same_device(x=x, prefix_sum=state.prefix_sum)
+        if cache is not None:
+            check_cache(cache, MoMReadCache, self._cache_config(), batch=x.shape[0],
+                        dtype=_compute_dtype(x.dtype), device=x.device, cache_dtype=getattr(cache, "dtype", None),
+                        cache_device=getattr(cache, "device", None))
 
-    def forward(self, x: torch.Tensor, M_blocks: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: MoMReadCache | None = None) -> MoMReadOutput:
-        """``x`` ``[B, S, D]`` (the ``mom_norm`` output), ``M_blocks`` ``[E, bs·D]``,
-        ``attention_mask`` an optional ``(B, S)`` keep mask: the router's prefix mean then
-        runs over kept tokens only (padding never reaches a kept token; the load-balance
-        statistics still count every row). Returns ``(y [B, S, D], cache)``; the cache
-        passed in is unchanged."""
-        state = cache
-        self._check(x, M_blocks, state)
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: MoMReadCache | None = None, *, M_blocks: torch.Tensor) -> BlockOutput:
+        """``x`` ``[B, S, D]`` (the ``mom_norm`` output), ``attention_mask`` an optional
+        ``(B, S)`` keep mask: the router's prefix mean then runs over kept tokens only
+        (padding never reaches a kept token; the load-balance statistics still count
+        every row), ``M_blocks`` ``[E, bs·D]`` the model's bank (required, by name).
+        Returns ``BlockOutput(output [B, S, D], cache)``: ``cache=None`` returns None;
+        a cache from :meth:`empty_cache` or an earlier call comes back as a new cache
+        that holds these tokens too (the one passed in is unchanged)."""
+        self._check(x, M_blocks, cache)
         B, S, D = x.shape
         check_same_device(x=x, attention_mask=attention_mask)
         attention_mask = check_keep_mask("attention_mask", attention_mask, B, S)
         (x,) = zero_padding(attention_mask, x)
-        prefix_sum, count = (state.prefix_sum, state.count) if state is not None else (None, 0)
-        prefix_kept = state.kept if state is not None else None
+        prefix_sum, count = (cache.prefix_sum, cache.length) if cache is not None else (None, 0)
+        prefix_kept = cache.kept_count if cache is not None else None
         h = mom_prefix_mean(x, prefix_sum, count, attention_mask, prefix_kept)
         # Router first, before any read computation: the Gumbel draw sits at the same
         # point of the RNG stream as in the seed.
@@ -477,22 +500,26 @@ class MoMRead(nn.Module):
         slots = M_blocks.view(self.mem_slots, D)
         k_bank = F.linear(slots, self.k_proj.weight)
         v_bank = F.linear(slots, self.v_proj.weight)
+        q, k_bank, v_bank = match_activation_dtypes(q=q, k_bank=k_bank, v_bank=v_bank)
         if resolve_backend(self.backend, q, k_bank, v_bank) == "triton":
             from laminae.triton_ops.mom_read import mom_read as read
         else:
             read = mom_read_reference
-        o = read(q, k_bank, v_bank, routing.top_idx, routing.top_gates, self.block_size,
-                 self.bias_in_activation_dtype)
+        with without_autocast(x.device.type):
+            o = read(q, k_bank, v_bank, routing.top_idx, routing.top_gates, self.block_size,
+                     self.bias_in_activation_dtype)
         y = self.mom_scale * F.linear(o.reshape(B, S, D), self.o_proj.weight)
+        return BlockOutput(y, None if cache is None else self._advance(cache, x, attention_mask))
 
-        with torch.no_grad():
-            # the last row of the prefix mean's cumulative sum: prefix_sum + Σ x
-            running = x.to(_compute_dtype(x.dtype)).sum(dim=1)
-            if prefix_sum is not None:
-                running = running + prefix_sum.to(running.dtype)
-            kept = None
-            if attention_mask is not None or prefix_kept is not None:
-                new = (torch.full((B,), float(S), device=x.device) if attention_mask is None
-                       else attention_mask.to(x.device, torch.float32).sum(1))
-                kept = new + (prefix_kept if prefix_kept is not None else float(count))
-        return MoMReadOutput(y, MoMReadCache(running, count + S, {"hidden_size": self.hidden_size}, kept))
+    @torch.no_grad()
+    def _advance(self, cache: MoMReadCache, x: torch.Tensor, attention_mask: torch.Tensor | None) -> MoMReadCache:
+        """``cache`` plus the tokens of ``x`` (padding already zeroed): the last row of
+        the prefix mean's cumulative sum, prefix_sum + Σ x."""
+        B, S, _ = x.shape
+        running = cache.prefix_sum + x.to(cache.dtype).sum(dim=1)
+        kept = None
+        if attention_mask is not None or cache.kept_count is not None:
+            new = (torch.full((B,), float(S), device=x.device) if attention_mask is None
+                   else attention_mask.to(x.device, torch.float32).sum(1))
+            kept = new + (cache.kept_count if cache.kept_count is not None else float(cache.length))
+        return MoMReadCache(running, cache.length + S, self._cache_config(), kept)

@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
-from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
+from ._errors import ConfigError, DeviceError, ShapeError
+from ._validation import (autocast_active, check_choice, check_has_tokens, check_keep_mask, check_param_dtype,
+                          check_positive_int, check_tensor, without_autocast)
 
 __all__ = [
     "MATRICES", "VARIANTS", "ElasticTiers", "SharedMatrix", "Readout",
@@ -210,13 +211,14 @@ class SharedMatrix(nn.Module):
             ``1/sqrt(fan_in)`` scale (spec open point 1).
         backend: "auto" | "triton" | "reference".
 
-    Shapes: ``forward(x [..., cols], rows, ratio) -> [..., rows]`` with
-    ``cols = x.shape[-1]``; outputs in ``x``'s dtype.
+    Shapes: ``forward(x [..., cols], attention_mask=None, *, rows=None, ratio=1.0,
+    output_divisor=1.0) -> [..., rows]`` with ``cols = x.shape[-1]``; outputs in ``x``'s
+    dtype (under autocast, the autocast dtype: the projection runs as ``F.linear`` would).
 
     Example::
 
         q_proj = SharedMatrix(640, 640, split=True)        # Fully elastic, tier s: n = 64·s
-        q = q_proj(x[..., :n] , rows=n, ratio=s)            # x: [batch, seq, n] -> [batch, seq, n]
+        q = q_proj(x[..., :n], rows=n, ratio=s)             # x: [batch, seq, n] -> [batch, seq, n]
     """
 
     def __init__(self, out_features: int, in_features: int, split: bool = True, *,
@@ -279,24 +281,24 @@ class SharedMatrix(nn.Module):
         if x.dim() == 0:
             raise ShapeError("`x` must be [..., cols], got a 0-dim tensor")
         check_has_tokens("x", x, None)
-        if torch.is_autocast_enabled(x.device.type):
-            # The block is combined in the parameter dtype and cast to the autocast
-            # dtype for the matmul, as F.linear under autocast would do with the seed's block.
+        check_param_dtype("x", x, w)
+        if autocast_active(x.device.type):
+            # A projection runs under autocast: the block is combined in the parameter dtype
+            # and meets x in the autocast dtype, as F.linear under autocast would do with the
+            # seed's block; the op itself then runs with autocast off on those dtypes.
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        elif x.dtype != w.dtype:
-            raise DTypeError(f"`x` must have the parameter dtype {w.dtype} outside autocast, got {x.dtype}")
         args = dict(x=x, weight=w, delta=self._delta(), scale=scale, attention_mask=attention_mask,
                     rows=rows, cols=x.shape[-1],
                     ratio=ratio, output_divisor=output_divisor)
-        with torch.autocast(x.device.type, enabled=False):
+        with without_autocast(x.device.type):
             if resolve_backend(self.backend, x, w) == "triton":
                 from laminae.triton_ops.shared_matrix import shared_matrix
 
                 return shared_matrix(**args)
             return shared_matrix_reference(**args)
 
-    def forward(self, x: torch.Tensor, rows: int | None = None, ratio: float = 1.0, *,
-                output_divisor: float = 1.0, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, *, rows: int | None = None,
+                ratio: float = 1.0, output_divisor: float = 1.0) -> torch.Tensor:
         """``x [..., cols] -> [..., rows]``: x times the tier block (``rows`` defaults
         to ``out_features``), divided by ``output_divisor``. ``attention_mask``: an
         optional ``[batch, seq]`` keep mask; padded rows give 0 and no gradient."""
@@ -309,8 +311,9 @@ class Readout(SharedMatrix):
     """The elastic output projection: a ``[vocab_size, width]`` SharedMatrix with
     learned per-tier logit scales α (``logit_scale [num_scales]``, ones at init).
 
-    ``forward(h [..., n], ratio, scale_index) -> logits [..., vocab_size]`` in fp32:
-    ``(h · (α_k · W_τ)ᵀ).float()`` with ``W_τ`` the leading ``[vocab_size, n]`` block.
+    ``forward(x [..., n], attention_mask=None, *, ratio=1.0, scale_index=0) -> logits
+    [..., vocab_size]`` in fp32: ``(x · (α_k · W_τ)ᵀ).float()`` with ``W_τ`` the leading
+    ``[vocab_size, n]`` block.
     Fully elastic: one scale per tier (``scale_index`` = tier index, r = s);
     MatFormer: one shared scale (index 0) and an unsplit ``weight`` (r = 1).
     """
@@ -336,10 +339,10 @@ class Readout(SharedMatrix):
         """``α_k · W_τ`` as a dense ``[vocab_size, width]`` tensor (the seed's ``readout_weight``)."""
         return self.block(self.out_features, width, ratio) * self._scale(scale_index).reshape(())
 
-    def forward(self, h: torch.Tensor, ratio: float = 1.0, scale_index: int = 0, *,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[override]
-        check_tensor("h", h, dtypes=PARAM_DTYPES, layout="[..., width]")
-        return self._linear(h, self.out_features, ratio, self._scale(scale_index), 1.0, attention_mask).float()
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, *, ratio: float = 1.0,
+                scale_index: int = 0) -> torch.Tensor:  # type: ignore[override]
+        check_tensor("x", x, dtypes=PARAM_DTYPES, layout="[..., width]")
+        return self._linear(x, self.out_features, ratio, self._scale(scale_index), 1.0, attention_mask).float()
 
 
 # ----------------------------------------------------------------------------

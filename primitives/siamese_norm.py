@@ -39,21 +39,22 @@ shared sublayer input ``h`` (wrap the attention callable so it sees ``h`` first)
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
-from ._validation import (check_choice, check_has_tokens, check_positive_int, check_same_device, check_same_dtype,
-                          check_tensor)
+from ._validation import (autocast_active, check_choice, check_has_tokens, check_positive_int, check_same_device,
+                          check_same_dtype, check_tensor, without_autocast)
+from .blocks.norms import RMSNorm, rms_norm
 
 __all__ = [
     "siamese_boundary_reference",
     "siamese_start",
     "siamese_depth_constant",
-    "SiameseRMSNorm",
+    "SiameseStreams",
     "SiameseNormLayer",
     "SiameseNormFinal",
     "ATTN_X_MODES",
@@ -61,6 +62,14 @@ __all__ = [
 
 ATTN_X_MODES = ("scale", "postnorm")
 NORM_TYPES = ("rmsnorm",)
+
+
+class SiameseStreams(NamedTuple):
+    """What a :class:`SiameseNormLayer` returns: both residual streams, each ``[..., D]``
+    (the one block whose outputs are two activations, so neither field is a cache)."""
+
+    x: torch.Tensor   # the bounded (Post-Norm-like) stream X
+    y: torch.Tensor   # the unbounded (Pre-Norm-like) stream Y
 
 
 # ----------------------------------------------------------------------------
@@ -106,11 +115,9 @@ def check_boundary_args(
         raise ConfigError(f"`eps` must be a number >= 0, got {eps!r}")
 
 
-def _rms_norm(t: torch.Tensor, weight: torch.Tensor, eps: float, compute: torch.dtype) -> torch.Tensor:
-    """RMSNorm(t; w) = t·rsqrt(mean(t²) + eps)·w, computed in ``compute``, returned in t's dtype."""
-    tc = t.to(compute)
-    rstd = torch.rsqrt(tc.pow(2).mean(-1, keepdim=True) + eps)
-    return (tc * rstd * weight.to(compute)).to(t.dtype)
+def _rms_norm(t: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(t; w) = t·rsqrt(mean(t²) + eps)·w in fp32 (fp64 stays fp64), returned in t's dtype."""
+    return rms_norm(t, weight, eps, upcast=True, upcast_weight=True)
 
 
 def siamese_boundary_reference(
@@ -154,32 +161,31 @@ def siamese_boundary_reference(
     """
     check_boundary_args(x, y, update, c_inv, x_scale, x_norm_weight, y_norm_weight, in_norm_weight, eps)
     dtype = x.dtype
-    compute = torch.promote_types(dtype, torch.float32)
-    work = compute if upcast else dtype
+    work = torch.promote_types(dtype, torch.float32) if upcast else dtype
 
     x1, y1 = x.to(work), y.to(work)
     if update is not None:
         a = update.to(work)
         x1 = x1 + c_inv * a
         y1 = y1 + a
-    x2 = _rms_norm(x1, x_norm_weight, eps, compute) if x_norm_weight is not None else x1
+    x2 = _rms_norm(x1, x_norm_weight, eps) if x_norm_weight is not None else x1
 
     h = None
     if return_h:
         xs = x_scale.to(work) * x2 if x_scale is not None else x2
-        yn = _rms_norm(y1, y_norm_weight, eps, compute) if y_norm_weight is not None else y1
+        yn = _rms_norm(y1, y_norm_weight, eps) if y_norm_weight is not None else y1
         u = xs + yn
-        h = _rms_norm(u, in_norm_weight, eps, compute) if in_norm_weight is not None else u
+        h = _rms_norm(u, in_norm_weight, eps) if in_norm_weight is not None else u
         h = h.to(dtype)
     if not return_streams:
         return None, None, h
     return x2.to(dtype), y1.to(dtype), h
 
 
-def siamese_start(embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def siamese_start(embeddings: torch.Tensor) -> SiameseStreams:
     """The two streams at the first layer: ``X₀ = Y₀ = e`` (the embedding output)."""
     check_tensor("embeddings", embeddings)
-    return embeddings, embeddings
+    return SiameseStreams(embeddings, embeddings)
 
 
 def siamese_depth_constant(layer_idx: int, depth_scaling: bool = True) -> float:
@@ -205,24 +211,11 @@ def _check_norm_type(norm_type: object) -> None:
         raise ConfigError(f"`norm_type` must be 'rmsnorm' (SiameseNorm is RMSNorm only), got {norm_type!r}")
 
 
-class SiameseRMSNorm(nn.Module):
-    """An RMSNorm weight ``[D]`` initialised to 1 (state-dict key ``<name>.weight``).
-
-    Calling it applies the reference RMSNorm in fp32; the SiameseNorm modules read
-    only its ``weight`` and fuse the normalisation into the boundary op.
-    """
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.hidden_size = check_positive_int("hidden_size", hidden_size)
-        self.eps = _check_eps(eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _rms_norm(x, self.weight, self.eps, torch.promote_types(x.dtype, torch.float32))
+def _stream_norm(hidden_size: int, eps: float) -> RMSNorm:
+    """An RMSNorm weight ``[D]`` initialised to 1 (state-dict key ``<name>.weight``), computed
+    in fp32 with one rounding at the end. The SiameseNorm modules read only its ``weight``
+    and fuse the normalisation into the boundary op."""
+    return RMSNorm(hidden_size, eps, upcast=True, upcast_weight=True)
 
 
 def _boundary(backend: str, x, y, update=None, c_inv=1.0, x_scale=None, x_norm_weight=None,
@@ -233,8 +226,9 @@ def _boundary(backend: str, x, y, update=None, c_inv=1.0, x_scale=None, x_norm_w
         fn = siamese_boundary
     else:
         fn = siamese_boundary_reference
-    return fn(x, y, update, c_inv, x_scale, x_norm_weight, y_norm_weight, in_norm_weight, eps,
-              return_streams=return_streams, return_h=return_h)
+    with without_autocast(x.device.type):
+        return fn(x, y, update, c_inv, x_scale, x_norm_weight, y_norm_weight, in_norm_weight, eps,
+                  return_streams=return_streams, return_h=return_h)
 
 
 def _check_streams(module: nn.Module, hidden_size: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -256,7 +250,7 @@ def _check_branch(name: str, out: object, h: torch.Tensor) -> torch.Tensor:
         raise ShapeError(
             f"the {name} sublayer must return its input's shape {tuple(h.shape)}, got {tuple(out.shape)}"
         )
-    if out.dtype != h.dtype and torch.is_autocast_enabled(h.device.type):
+    if out.dtype != h.dtype and autocast_active(h.device.type):
         # the cast policy: under autocast a sublayer returns the autocast dtype; the
         # streams keep theirs (the residual stream's precision is the point of fp32 streams)
         return out.to(h.dtype)
@@ -304,8 +298,11 @@ class SiameseNormLayer(nn.Module):
     normalized_input); plus the wrapped sublayers' own parameters.
 
     Shapes: ``x``, ``y`` are ``[batch, seq, D]`` (any leading dims), one float dtype;
-    each sublayer must return ``h``'s shape and dtype (under autocast, cast its
-    output back to the streams' dtype or keep the streams in the autocast dtype).
+    each sublayer must return ``h``'s shape and dtype (under autocast its output is
+    cast back to the streams' dtype: the streams keep their precision).
+
+    Returns :class:`SiameseStreams` ``(x, y)``, the two updated streams (both are
+    outputs: the next layer reads both).
 
     SiameseNorm owns the residual flow: do not combine it with LAuReL or AttnRes in
     one model. StackMemory may act on the sublayer input ``h`` (wrap ``attention``).
@@ -316,7 +313,7 @@ class SiameseNormLayer(nn.Module):
         final = SiameseNormFinal(512)
         x, y = siamese_start(embed(tokens))
         for layer in layers:
-            x, y = layer(x, y, attn_kwargs={"keep_mask": mask})
+            x, y = layer(x, y, attn_kwargs={"attention_mask": mask})
         logits = lm_head(final(x, y))
     """
 
@@ -361,15 +358,15 @@ class SiameseNormLayer(nn.Module):
         if attn_x_mode == "scale":
             self.attn_x_scale = nn.Parameter(torch.full((hidden_size,), float(attn_x_scale_init)))
         else:
-            self.attn_x_norm = SiameseRMSNorm(hidden_size, eps)
+            self.attn_x_norm = _stream_norm(hidden_size, eps)
         if self.use_attn_y_norm:
-            self.attn_y_norm = SiameseRMSNorm(hidden_size, eps)
+            self.attn_y_norm = _stream_norm(hidden_size, eps)
         if self.normalized_input:
-            self.attn_in_norm = SiameseRMSNorm(hidden_size, eps)
-        self.mlp_x_norm = SiameseRMSNorm(hidden_size, eps)
-        self.mlp_y_norm = SiameseRMSNorm(hidden_size, eps)
+            self.attn_in_norm = _stream_norm(hidden_size, eps)
+        self.mlp_x_norm = _stream_norm(hidden_size, eps)
+        self.mlp_y_norm = _stream_norm(hidden_size, eps)
         if self.normalized_input:
-            self.mlp_in_norm = SiameseRMSNorm(hidden_size, eps)
+            self.mlp_in_norm = _stream_norm(hidden_size, eps)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, layer_idx={self.layer_idx}, depth_scale={self.depth_scale:.6g}, "
@@ -384,11 +381,12 @@ class SiameseNormLayer(nn.Module):
         self,
         x: torch.Tensor,
         y: torch.Tensor,
+        *,
         attn_kwargs: dict | None = None,
         mlp_kwargs: dict | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> SiameseStreams:
         """``x``, ``y``: the streams ``[..., D]``; the kwargs go to the sublayer calls
-        (e.g. a keep mask). Returns the new ``(x, y)``."""
+        (e.g. an ``attention_mask``). Returns the new streams, ``SiameseStreams(x, y)``."""
         _check_streams(self, self.hidden_size, x, y)
         c_inv = 1.0 / self.depth_scale
         # attention boundary: u = s ⊙ X (or X ← RMSNorm(X)) + RMSNorm(Y); h = RMSNorm(u)
@@ -412,7 +410,7 @@ class SiameseNormLayer(nn.Module):
         m = self.dropout(_check_branch("mlp", self.mlp(h, **(mlp_kwargs or {})), h))
         # end of layer: X += m/c, Y += m
         x, y, _ = _boundary(self.backend, x, y, m, c_inv, eps=self.eps, return_h=False)
-        return x, y
+        return SiameseStreams(x, y)
 
 
 class SiameseNormFinal(nn.Module):
@@ -430,9 +428,9 @@ class SiameseNormFinal(nn.Module):
         _check_norm_type(norm_type)
         check_backend(backend)
         self.hidden_size, self.eps, self.backend = hidden_size, _check_eps(eps), backend
-        self.final_x_norm = SiameseRMSNorm(hidden_size, eps)
-        self.final_y_norm = SiameseRMSNorm(hidden_size, eps)
-        self.final_norm = SiameseRMSNorm(hidden_size, eps)
+        self.final_x_norm = _stream_norm(hidden_size, eps)
+        self.final_y_norm = _stream_norm(hidden_size, eps)
+        self.final_norm = _stream_norm(hidden_size, eps)
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, eps={self.eps}, backend={self.backend!r}"

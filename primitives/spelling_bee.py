@@ -6,7 +6,7 @@ shared [256, d] table, rotated by their slot inside the token (rotate-half RoPE,
 token embedding:
 
     s(v)   = (1/16) · Σ_{i=0..15} R_{p_i} · byte_embed[byte_ids[v, i]]
-    e_bee  = ½ · (e_tok + s(ids))
+    e_bee  = ½ · (e_tok + s(input_ids))                 e_tok: the token embeddings
 
 ``s`` depends only on the token id, so it can be baked into a [V, d] table for
 inference. Open points of the spec are arguments: ``byte_position_offset`` (p_i = i or
@@ -23,8 +23,8 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._errors import ConfigError, DTypeError, ShapeError
 from ._token_ids import check_token_ids, ids_in_range, nan_rows, safe_ids
-from ._validation import check_choice, check_positive_float, check_positive_int, check_same_device, check_tensor
-from ._validation import check_has_tokens
+from ._validation import (check_choice, check_has_tokens, check_param_dtype, check_positive_float,
+                          check_positive_int, check_same_device, check_tensor, without_autocast)
 
 __all__ = [
     "SLOTS", "SpellingBeeEmbedding", "spelling_bee_reference", "spelling_bee_rotary", "spelling_vectors",
@@ -61,7 +61,7 @@ def slot_weights(byte_len: torch.Tensor, pad_mode: str, mode: str, slots: int = 
     return torch.full(real.shape, 1.0 / slots, dtype=dtype, device=byte_len.device)
 
 
-def spelling_vectors(token_ids: torch.Tensor, byte_embed: torch.Tensor, byte_ids: torch.Tensor,
+def spelling_vectors(input_ids: torch.Tensor, byte_embed: torch.Tensor, byte_ids: torch.Tensor,
                      byte_len: torch.Tensor, *, rope_theta: float = 10000.0, byte_position_offset: int = 0,
                      pad_mode: str = "embed", mode: str = "mean", upcast: bool = True) -> torch.Tensor:
     """s(v) for the given token ids [...] → [..., d] (fp32, or fp64 for fp64 byte_embed, when
@@ -73,18 +73,18 @@ def spelling_vectors(token_ids: torch.Tensor, byte_embed: torch.Tensor, byte_ids
     cos, sin = spelling_bee_rotary(d, rope_theta, byte_position_offset, byte_ids.shape[1], byte_embed.device,
                                    table_dtype)
     cos, sin = cos.to(compute), sin.to(compute)
-    valid = ids_in_range(token_ids, byte_ids.shape[0])
-    token_ids = safe_ids(token_ids, valid)
-    u = byte_embed.to(compute)[byte_ids[token_ids].long()]  # [..., 16, d]
+    valid = ids_in_range(input_ids, byte_ids.shape[0])
+    input_ids = safe_ids(input_ids, valid)
+    u = byte_embed.to(compute)[byte_ids[input_ids].long()]  # [..., 16, d]
     lo, hi = u[..., : d // 2], u[..., d // 2:]
     rotated = torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], dim=-1)
-    w = slot_weights(byte_len[token_ids], pad_mode, mode, byte_ids.shape[1], table_dtype).to(compute)
+    w = slot_weights(byte_len[input_ids], pad_mode, mode, byte_ids.shape[1], table_dtype).to(compute)
     return nan_rows(torch.einsum("...i,...id->...d", w, rotated), valid)
 
 
 def spelling_bee_reference(
-    ids: torch.Tensor,
-    e_tok: torch.Tensor,
+    input_ids: torch.Tensor,
+    token_embeddings: torch.Tensor,
     byte_embed: torch.Tensor,
     byte_ids: torch.Tensor,
     byte_len: torch.Tensor,
@@ -95,23 +95,23 @@ def spelling_bee_reference(
     mode: str = "mean",
     upcast: bool = True,
 ) -> torch.Tensor:
-    """e_bee = ½·(e_tok + s(ids)).
+    """e_bee = ½·(token_embeddings + s(input_ids)).
 
     Args:
-        ids: token ids ``[...]`` (e.g. ``[batch, seq]``), integer, in [0, V); an id
-            outside gives a NaN row (its e_tok still receives ½ of the gradient).
-        e_tok: token embeddings ``[..., d]`` for the same ids (dense row or Leviathan output).
+        input_ids: token ids ``[...]`` (e.g. ``[batch, seq]``), integer, in [0, V); an id
+            outside gives a NaN row (its token embedding still receives ½ of the gradient).
+        token_embeddings: ``[..., d]`` for the same ids (dense row or Leviathan output).
         byte_embed: ``[256, d]`` byte table, d even.
         byte_ids: ``[V, 16]`` integer bytes of every vocabulary entry (pad 0).
         byte_len: ``[V]`` number of real bytes, min(len, 16).
         upcast: fp32 math (the ground truth) vs the same-dtype eager baseline.
     Returns:
-        ``[..., d]`` in e_tok's dtype.
+        ``[..., d]`` in token_embeddings' dtype.
     """
-    s = spelling_vectors(ids, byte_embed, byte_ids, byte_len, rope_theta=rope_theta,
+    s = spelling_vectors(input_ids, byte_embed, byte_ids, byte_len, rope_theta=rope_theta,
                          byte_position_offset=byte_position_offset, pad_mode=pad_mode, mode=mode, upcast=upcast)
-    base = e_tok.to(s.dtype) if upcast else e_tok
-    return (0.5 * (base + s.to(base.dtype))).to(e_tok.dtype)
+    base = token_embeddings.to(s.dtype) if upcast else token_embeddings
+    return (0.5 * (base + s.to(base.dtype))).to(token_embeddings.dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -197,7 +197,8 @@ def check_byte_table(byte_ids: torch.Tensor, byte_len: torch.Tensor, vocab_size:
 # ----------------------------------------------------------------------------
 
 class SpellingBeeEmbedding(nn.Module):
-    """Spelling Bee byte-level augmentation of token embeddings: ``e_bee = module(ids, e_tok)``.
+    """Spelling Bee byte-level augmentation of token embeddings:
+    ``e_bee = module(input_ids, token_embeddings=e_tok)``.
 
     Args:
         vocab_size: V (rows of the byte table; ids must be in [0, V)).
@@ -217,14 +218,15 @@ class SpellingBeeEmbedding(nn.Module):
     checkpoint works without the tokenizer); ``baked`` [V, d] (non-persistent) after
     :meth:`bake_inference_table`.
 
-    Shapes: ``ids`` [...] integer, ``e_tok`` [..., d] fp32/bf16/fp16 → ``[..., d]`` in
-    e_tok's dtype.
+    Shapes: ``input_ids`` [...] integer, ``token_embeddings`` [..., d] fp32/bf16/fp16 →
+    ``[..., d]`` in token_embeddings' dtype. The block reads no mask: every position is
+    embedded alone (a padded position's row is as meaningless as its id).
 
     Example::
 
         bee = SpellingBeeEmbedding(vocab_size=64402, hidden_size=512)
         bee.set_byte_table_from_strings([tokenizer_bytes(v) for v in range(len(tokenizer))])
-        h = bee(ids, embed_tokens(ids))
+        h = bee(input_ids, token_embeddings=embed_tokens(input_ids))
     """
 
     def __init__(self, vocab_size: int, hidden_size: int, rope_theta: float = 10000.0,
@@ -322,21 +324,19 @@ class SpellingBeeEmbedding(nn.Module):
 
     # -- forward ------------------------------------------------------------
     def _check(self, ids: torch.Tensor, e_tok: torch.Tensor) -> None:
-        check_tensor("ids", ids, dtypes=(torch.int64, torch.int32))
-        check_tensor("e_tok", e_tok, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
-        check_has_tokens("ids", ids, ids.dim())
+        check_tensor("input_ids", ids, dtypes=(torch.int64, torch.int32))
+        check_tensor("token_embeddings", e_tok, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64))
+        check_has_tokens("input_ids", ids, ids.dim())
         if tuple(e_tok.shape) != (*ids.shape, self.hidden_size):
-            raise ShapeError(f"`e_tok` must have shape ids.shape + (hidden_size,) = "
+            raise ShapeError(f"`token_embeddings` must have shape input_ids.shape + (hidden_size,) = "
                              f"{(*ids.shape, self.hidden_size)}, got {tuple(e_tok.shape)}")
-        check_same_device(ids=ids, e_tok=e_tok, byte_embed=self.byte_embed.weight)
-        weight = self.byte_embed.weight
-        if e_tok.dtype != weight.dtype and not torch.is_autocast_enabled(e_tok.device.type):
-            raise DTypeError(f"`e_tok` has dtype {str(e_tok.dtype).replace('torch.', '')} but byte_embed is "
-                             f"{str(weight.dtype).replace('torch.', '')}: cast the module or run under autocast")
+        check_same_device(input_ids=ids, token_embeddings=e_tok, byte_embed=self.byte_embed.weight)
+        check_param_dtype("token_embeddings", e_tok, self.byte_embed.weight)
         if self.validate_ids:
-            check_token_ids("ids", ids, self.vocab_size)
+            check_token_ids("input_ids", ids, self.vocab_size)
 
-    def forward(self, ids: torch.Tensor, e_tok: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *, token_embeddings: torch.Tensor) -> torch.Tensor:
+        ids, e_tok = input_ids, token_embeddings
         self._check(ids, e_tok)
         self._require_table()
         if self.baked is not None:
@@ -347,15 +347,15 @@ class SpellingBeeEmbedding(nn.Module):
             s = nan_rows(self.baked[safe_ids(ids, valid)].to(work), valid)
             return (0.5 * (e_tok.to(work) + s)).to(e_tok.dtype)
         args = (ids, e_tok, self.byte_embed.weight, self.byte_ids, self.byte_len)
-        if resolve_backend(self.backend, e_tok) == "triton":
-            from laminae.triton_ops.spelling_bee import spelling_bee
+        with without_autocast(e_tok.device.type):
+            if resolve_backend(self.backend, e_tok) == "triton":
+                from laminae.triton_ops.spelling_bee import spelling_bee
 
-            if e_tok.dtype == torch.float64:
-                raise DTypeError("the Triton Spelling Bee supports fp32/bf16/fp16, got float64; "
-                                 "use backend='reference'")
-            with torch.autocast(device_type=e_tok.device.type, enabled=False):
+                if e_tok.dtype == torch.float64:
+                    raise DTypeError("the Triton Spelling Bee supports fp32/bf16/fp16, got float64; "
+                                     "use backend='reference'")
                 return spelling_bee(*args, **self._options())
-        return spelling_bee_reference(*args, **self._options())
+            return spelling_bee_reference(*args, **self._options())
 
 
 def parameter_count(hidden_size: int) -> int:

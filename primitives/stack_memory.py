@@ -37,7 +37,8 @@ from torch import nn
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
+from ._validation import (FLOAT_DTYPES, check_choice, check_has_tokens, check_keep_mask, check_param_dtype,
+                          check_positive_int, check_same_device, check_tensor, without_autocast)
 
 __all__ = [
     "stack_actions_reference", "stack_update_reference", "stack_read_reference", "stack_step_reference",
@@ -51,23 +52,29 @@ READ_MODES = ("soft", "released")
 RELEASED_PENALTY = 1e9
 
 
+def _state_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The stack's dtype for activations of ``dtype``: fp32 (fp64 for fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 # ----------------------------------------------------------------------------
 # Reference math, one stack step
 # ----------------------------------------------------------------------------
 
 
-def stack_actions_reference(logits: torch.Tensor, keep: torch.Tensor | None = None):
+def stack_actions_reference(logits: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """(push, pop, no-op) probabilities and their entropy from temperature-scaled logits.
 
-    ``logits`` ``[..., 3]``; ``keep`` ``[...]`` (bool/0-1) or None. Returns
-    ``actions`` ``[..., 3]`` and ``entropy`` ``[...]`` (nats). Dropped tokens get the
-    pure no-op (0, 0, 1) and entropy 0; ``torch.where`` keeps their values out.
+    ``logits`` ``[..., 3]``; ``attention_mask`` ``[...]`` (the keep mask over the
+    leading dims, bool or 0/1) or None. Returns ``actions`` ``[..., 3]`` and
+    ``entropy`` ``[...]`` (nats). Dropped tokens get the pure no-op (0, 0, 1) and
+    entropy 0; ``torch.where`` keeps their values out.
     """
     log_a = torch.log_softmax(logits, dim=-1)
     actions = torch.softmax(logits, dim=-1)
     entropy = -(actions * log_a).sum(-1)
-    if keep is not None:
-        kept = keep.bool()
+    if attention_mask is not None:
+        kept = attention_mask.bool()
         noop = torch.tensor([0.0, 0.0, 1.0], dtype=logits.dtype, device=logits.device)
         actions = torch.where(kept[..., None], actions, noop)
         entropy = torch.where(kept, entropy, torch.zeros_like(entropy))
@@ -286,12 +293,12 @@ class StackMemoryState:
 class StackMemoryCache(DecodingCache):
     """Temporal-mode decoding cache of one layer: the stack after the last token seen.
 
-    ``stack`` ``[B, H, S, d]``, ``stack_mask`` ``[B, H, S]`` (fp32), ``length`` tokens
-    seen; ``config`` the building module's (mode, heads, slots, head_dim) as a dict
-    (checked by :func:`~laminae.primitives._cache.check_cache`). The state has a fixed
-    size, so a step costs O(1) whatever the length. A forward never changes the cache
-    it is given; it returns a new one, so two continuations of one cache (beam search)
-    are independent.
+    ``stack`` ``[B, H, S, d]``, ``stack_mask`` ``[B, H, S]`` (the slots' soft
+    occupancy; fp32, fp64 for a float64 module), ``length`` tokens seen; ``config``
+    the building module's (mode, heads, slots, head_dim). Start one with
+    :meth:`StackMemory.empty_cache`. The state has a fixed size, so a step costs O(1)
+    whatever the length. A forward never changes the cache it is given; it returns a
+    new one, so two continuations of one cache (beam search) are independent.
     """
 
     def __init__(self, config, stack: torch.Tensor, stack_mask: torch.Tensor, length: int = 0) -> None:
@@ -306,11 +313,22 @@ class StackMemoryCache(DecodingCache):
     def batch(self) -> int:
         return self.stack.shape[0]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.stack.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.stack.device
+
     def reset(self) -> None:
         """Back to the empty stack (new tensors: caches sharing the old ones keep them)."""
         self.stack = torch.zeros_like(self.stack)
         self.stack_mask = torch.zeros_like(self.stack_mask)
         self._length = 0
+
+    def clone(self) -> "StackMemoryCache":
+        return StackMemoryCache(self.config, self.stack.clone(), self.stack_mask.clone(), self._length)
 
 
 class StackMemoryOutput(NamedTuple):
@@ -349,21 +367,22 @@ class StackMemory(nn.Module):
     ``up_proj`` Linear(H·d → D), all N(0, 0.02²); ``gate`` [d] N(0, 0.02²);
     ``res_weight`` [] = 1. Count without bias 2·D·H·d + 3H·D + d + 1.
 
-    ``forward(x, state=None, attention_mask=None, cache=None) -> StackMemoryOutput(output, cache, state)``:
-    ``x`` ``[B, T, D]`` fp32/bf16/fp16, the attention-branch input (the residual stream
-    is left to the caller); ``state`` the previous layer's :class:`StackMemoryState`
-    (None before the first layer); ``cache`` (temporal mode only) a
-    :class:`StackMemoryCache` from :meth:`allocate_cache` or a previous call. Returns
-    ``output`` ``[B, T, D]`` in x's dtype; ``cache`` (temporal mode: the stack after this
-    call's last token, also for ``cache=None``, a fixed ``[B, H, S, d]``; depth mode:
-    None, tokens share no state); ``state`` for the next layer.
+    ``forward(x, attention_mask=None, cache=None, *, state=None) -> StackMemoryOutput(output, cache, state)``:
+    ``x`` ``[B, T, D]`` fp32/bf16/fp16 (the parameters' dtype, or any under autocast),
+    the attention-branch input (the residual stream is left to the caller);
+    ``attention_mask`` an optional ``(B, T)`` keep mask; ``cache`` (temporal mode only)
+    a :class:`StackMemoryCache` from :meth:`empty_cache` or a previous call; ``state``
+    the previous layer's :class:`StackMemoryState` (None before the first layer).
+    Returns ``output`` ``[B, T, D]`` in x's dtype; ``cache`` (None for ``cache=None``;
+    otherwise the stack after this call's last token, a fixed ``[B, H, S, d]``; depth
+    mode takes no cache: tokens share no state); ``state`` for the next layer.
 
     Example::
 
         layers = [StackMemory(512) for _ in range(12)]
         state = None
         for layer, block in zip(layers, blocks):
-            h_aug, _, state = layer(norm(h), state, attention_mask)
+            h_aug, _, state = layer(norm(h), attention_mask, state=state)
             h = h + block(h_aug)
         loss = lm_loss + layers[0].aux_loss(state)
     """
@@ -434,41 +453,42 @@ class StackMemory(nn.Module):
         """λ_St · mean entropy over kept tokens × heads × layers (add it to the LM loss)."""
         return self.stack_entropy_loss_weight * state.entropy_mean()
 
-    def allocate_cache(self, batch: int, device: torch.device | str | None = None) -> StackMemoryCache:
-        """An empty temporal-mode cache for ``batch`` sequences."""
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> StackMemoryCache:
+        """An empty temporal-mode cache for ``batch`` sequences on ``device`` (default:
+        the parameters'). ``dtype`` (default: the parameters') is the activations'; the
+        stack is kept in fp32 (fp64 for float64), as the recurrence computes."""
         if self.mode != "temporal":
-            raise ConfigError("`allocate_cache` is for mode='temporal'; in depth mode tokens share no state, "
+            raise ConfigError("`empty_cache` is for mode='temporal'; in depth mode tokens share no state, "
                               "so a new token runs its own depth recurrence with cache=None")
         check_positive_int("batch", batch)
+        dtype = self.gate.dtype if dtype is None else dtype
+        if dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"`dtype` of a StackMemoryCache must be a float dtype, got {dtype}")
         device = self.gate.device if device is None else device
         H, S, d = self.num_mem_heads, self.stack_slots, self.head_dim
-        return StackMemoryCache(self.cache_config, torch.zeros(batch, H, S, d, device=device),
-                                torch.zeros(batch, H, S, device=device))
+        state_dtype = _state_dtype(dtype)
+        return StackMemoryCache(self.cache_config, torch.zeros(batch, H, S, d, dtype=state_dtype, device=device),
+                                torch.zeros(batch, H, S, dtype=state_dtype, device=device))
 
     # -- validation -----------------------------------------------------------
 
-    def _check(self, x, state, attention_mask, cache) -> None:
-        check_tensor("x", x, ndim=3, dtypes=(torch.float32, torch.float16, torch.bfloat16, torch.float64),
-                     layout="[batch, seq, hidden]")
+    def _check(self, x, attention_mask, cache, state) -> None:
+        check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="[batch, seq, hidden]")
         B, T, D = x.shape
         if D != self.hidden_size:
             raise ShapeError(f"last dim of `x` must be hidden_size={self.hidden_size}, got shape {tuple(x.shape)}")
         check_has_tokens("x", x)
-        weight = self.action_head.weight
-        if x.device != weight.device:
-            raise DeviceError(f"`x` is on {x.device} but the parameters are on {weight.device}")
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise DTypeError(f"`x` has dtype {x.dtype} but the parameters are {weight.dtype}; cast the module "
-                             "(module.to(dtype)) or run under torch.autocast")
+        check_same_device(x=x, weight=self.action_head.weight)
+        check_param_dtype("x", x, self.action_head.weight)
         if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
             raise TypeError(f"`attention_mask` must be a torch.Tensor or None, got {type(attention_mask).__name__}")
         check_keep_mask("attention_mask", attention_mask, B, T)
-        if attention_mask is not None and attention_mask.device != x.device:
-            raise DeviceError(f"`attention_mask` is on {attention_mask.device} but `x` is on {x.device}")
+        check_same_device(x=x, attention_mask=attention_mask)
         if state is not None:
             self._check_state(state, B, T, x.device)
         if cache is not None:
-            self._check_cache(cache, B, x.device)
+            self._check_cache(cache, x)
 
     def _check_state(self, state, B, T, device) -> None:
         if not isinstance(state, StackMemoryState):
@@ -487,11 +507,12 @@ class StackMemory(nn.Module):
             if state.stack.device != device:
                 raise DeviceError(f"`state.stack` is on {state.stack.device} but `x` is on {device}")
 
-    def _check_cache(self, cache, B, device) -> None:
+    def _check_cache(self, cache, x) -> None:
         if self.mode != "temporal":
             raise ConfigError("`cache` is for mode='temporal'; depth mode keeps no cross-token state")
-        check_cache(cache, StackMemoryCache, self.cache_config, batch=B, device=device,
-                    cache_device=getattr(getattr(cache, "stack", None), "device", None))
+        check_cache(cache, StackMemoryCache, self.cache_config, batch=x.shape[0], dtype=_state_dtype(x.dtype),
+                    device=x.device, cache_dtype=getattr(cache, "dtype", None),
+                    cache_device=getattr(cache, "device", None))
 
     # -- forward --------------------------------------------------------------
 
@@ -504,26 +525,26 @@ class StackMemory(nn.Module):
         if resolve_backend(self.backend, x) == "triton":
             from laminae.triton_ops.stack_memory import stack_memory, supports
 
-            if self.backend == "triton" or supports(self.stack_slots, self.head_dim):
+            if self.backend == "triton" or supports(self.stack_slots, self.head_dim, self.mode):
                 return stack_memory
-            key = (self.stack_slots, self.head_dim)
+            key = (self.stack_slots, self.head_dim, self.mode)
             if key not in _warned_sizes:
                 _warned_sizes.add(key)
-                warnings.warn(f"laminae: StackMemory(stack_slots={key[0]}, head_dim={key[1]}) is beyond the "
-                              "Triton tile limit; backend='auto' runs the reference", stacklevel=3)
+                warnings.warn(f"laminae: StackMemory(stack_slots={key[0]}, head_dim={key[1]}, mode={key[2]!r}) is "
+                              "beyond the Triton tile limit; backend='auto' runs the reference", stacklevel=3)
         return stack_memory_reference
 
     def forward(
         self,
         x: torch.Tensor,
-        state: StackMemoryState | None = None,
         attention_mask: torch.Tensor | None = None,
         cache: StackMemoryCache | None = None,
+        *,
+        state: StackMemoryState | None = None,
     ) -> StackMemoryOutput:
-        self._check(x, state, attention_mask, cache)
+        self._check(x, attention_mask, cache, state)
         B, T, _ = x.shape
-        attention_mask = None if attention_mask is None else attention_mask != 0   # an integer mask: 1 = keep
-        out_dtype = x.dtype
+        attention_mask = check_keep_mask("attention_mask", attention_mask, B, T)
         fn = self._function(x)
         w_a, w_down, w_up, gate, g, b_a, b_down, b_up = self._params()
         if self.mode == "depth":
@@ -533,10 +554,9 @@ class StackMemory(nn.Module):
             stack = None if cache is None else cache.stack
             stack_mask = None if cache is None else cache.stack_mask
         # The state, softmaxes and read are fp32 by design; autocast must not recast them.
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            xin = x if x.dtype == w_a.dtype else x.to(w_a.dtype)
+        with without_autocast(x.device.type):
             out, new_stack, new_mask, entropy = fn(
-                xin, w_a, w_down, w_up, gate, g, stack, stack_mask, attention_mask, b_a, b_down, b_up,
+                x, w_a, w_down, w_up, gate, g, stack, stack_mask, attention_mask, b_a, b_down, b_up,
                 num_heads=self.num_mem_heads, num_slots=self.stack_slots, mode=self.mode, read_mode=self.read_mode)
         count = entropy.new_tensor(float(B * T * self.num_mem_heads)) if attention_mask is None else \
             attention_mask.to(entropy.dtype).sum() * self.num_mem_heads
@@ -548,8 +568,7 @@ class StackMemory(nn.Module):
             new_mask if self.mode == "depth" else None,
             prev_sum + entropy.sum(), prev_count + count, (0 if state is None else state.num_layers) + 1)
         new_cache = None
-        if self.mode == "temporal":
+        if cache is not None:
             # detached: decoding is inference (differentiate through state with the functional op)
-            new_cache = StackMemoryCache(self.cache_config, new_stack.detach(), new_mask.detach(),
-                                         (0 if cache is None else cache.length) + T)
-        return StackMemoryOutput(out.to(out_dtype), new_cache, new_state)
+            new_cache = StackMemoryCache(self.cache_config, new_stack.detach(), new_mask.detach(), cache.length + T)
+        return StackMemoryOutput(out, new_cache, new_state)

@@ -3,7 +3,7 @@
     embed_tokens
     └─ × num_hidden_layers
        ├─ x += self_attn(input_layernorm(x))            causal GQA, RoPE over the head
-       ├─ x += mom(mom_norm(x), M_blocks)                MoM read of the shared bank
+       ├─ x += mom(mom_norm(x), M_blocks=M_blocks)       MoM read of the shared bank
        └─ x += mlp(post_attention_layernorm(x))          SwiGLU
     norm → lm_head (tied to embed_tokens by default of the reference run)
 

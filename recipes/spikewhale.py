@@ -11,7 +11,7 @@
        x = hc_attn.post(x, a) | h + a
        f = ffn(ffn_norm(hc_ffn.pre(x) | x))           MoE (hash / routed, shared) or SwiGLU
        x = hc_ffn.post(x, f) | x + f
-       [x = engram_fusion(x, ngram)]
+       [x = engram_fusion(x, ngram=ngram)]
     [hc_out_mix] → [hrm_refine] → norm → lm_head   (+ MTP heads, abstain head)
 
 Loss: CE (mean of the refinement steps' CEs with deep supervision in training)

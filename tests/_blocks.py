@@ -64,19 +64,16 @@ BANK = MoMRead.init_bank(4, 2, HIDDEN, generator=torch.Generator().manual_seed(0
 
 
 def _mom_call(module, x, mask, cache):
-    return module(x, BANK.to(x.dtype), mask, cache=cache)
+    return module(x, mask, cache, M_blocks=BANK.to(x.dtype))
 
 
-def _engram_call(module, x, mask, cache):
-    return module(x, cache=cache, attention_mask=mask)
+def _memory_call(module, x, mask, cache):
+    # MemoryCacheBranch, EngramModule, StackMemory (temporal): no side input
+    return module(x, mask, cache)
 
 
-def _mc_call(module, x, mask, cache):
-    return module(x, mask, cache=cache)
-
-
-def _stack_call(module, x, mask, cache):
-    return module(x, attention_mask=mask, cache=cache)
+def _empty_cache(module, x):
+    return module.empty_cache(x.shape[0], dtype=x.dtype, device=x.device)
 
 
 def _mosrah_call(module, x, mask, cache):
@@ -126,12 +123,13 @@ BLOCKS = [
     Block("lucid_attention", lambda be: LucidAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be), _attention_call,
           start=_empty_cache),
     Block("memory_caching", lambda be: MemoryCacheBranch(HIDDEN, 2, 4, segment_len=3, gate_dim=4, backend=be).eval(),
-          _mc_call),
-    Block("mom_read", lambda be: _mom(be), _mom_call),
+          _memory_call, start=_empty_cache),
+    Block("mom_read", lambda be: _mom(be), _mom_call, start=_empty_cache),
     Block("engram", lambda be: EngramModule(HIDDEN, 8, num_heads=2, table_size=31, gate_init_bias=0.5,
-                                            backend=be).eval(), _engram_call),
+                                            backend=be).eval(), _memory_call, start=_empty_cache),
     Block("stack_memory", lambda be: _scaled(StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4,
-                                                         mode="temporal", backend=be)), _stack_call),
+                                                         mode="temporal", backend=be)), _memory_call,
+          start=_empty_cache),
     Block("mosrah", lambda be: MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM,
                                       training_sequence_length=32, backend=be).eval(), _mosrah_call,
           start=_mosrah_start),

@@ -71,7 +71,7 @@ class _Engram(torch.nn.Module):
 
     def forward(self, x):
         out, _, retrieved = self.module(x)
-        return out, self.fusion(x, retrieved)
+        return out, self.fusion(x, ngram=retrieved)
 
 
 class _Derf(torch.nn.Module):
@@ -98,7 +98,7 @@ def _mom(backend):
 
 CASES = [
     Case("laurel", lambda be: LAuReL(D, use_rw=True, use_lr=True, lr_rank=4, backend=be),
-         lambda b, s: (_x(b, s), _x(b, s, seed=1)), lambda m, f, x: (m(f, x),)),
+         lambda b, s: (_x(b, s), _x(b, s, seed=1)), lambda m, x, f: (m(x, sublayer_output=f),)),
     Case("siamese_norm", _Siamese, lambda b, s: (_x(b, s),), lambda m, x: (m(x),)),
     Case("derf", _Derf, lambda b, s: (*_qkv(b, s), _x(b, s)), lambda m, *a: m(*a)),
     Case("xsa", lambda be: ExclusiveSelfAttention(H, HKV, HD, backend=be), lambda b, s: _qkv(b, s)[::2],
@@ -110,10 +110,11 @@ CASES = [
     Case("engram", _Engram, lambda b, s: (_x(b, s),), lambda m, x: m(x)),
     Case("memory_caching", lambda be: MemoryCacheBranch(D, 2, 4, segment_len=3, gate_dim=4, backend=be),
          lambda b, s: (_x(b, s),), lambda m, x: (m(x)[0],)),
-    Case("mom_read", _mom, lambda b, s: (_x(b, s),), lambda m, x: (m(x, m.bank)[0],)),
+    Case("mom_read", _mom, lambda b, s: (_x(b, s),), lambda m, x: (m(x, M_blocks=m.bank)[0],)),
     Case("hrm_refinement", lambda be: HRMRefinementBlock(D, 8, 2, backend=be), lambda b, s: (_x(b, s),),
-         lambda m, x: (m(x),)),
-    Case("spelling_bee", _bee, lambda b, s: (_ids(b, s), _x(b, s)), lambda m, ids, e: (m(ids, e),)),
+         lambda m, x: (m(x).output,)),
+    Case("spelling_bee", _bee, lambda b, s: (_ids(b, s), _x(b, s)),
+         lambda m, ids, e: (m(ids, token_embeddings=e),)),
     Case("leviathan", lambda be: LeviathanGenerator(vocab_size=VOCAB, hidden_size=D, seed_dim=8, num_modes=2,
                                                     num_knots=4, rank=4, backend=be),
          lambda b, s: (_ids(b, s),), lambda m, ids: (m(ids),)),

@@ -14,6 +14,7 @@ from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigErr
                                 DTypeError, EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL,
                                 MoMRead, MoSRAH, ShapeError, SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend,
                                 use_backend)
+from laminae.primitives._errors import DeviceError
 from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.primitives.laurel import laurel_reference
 
@@ -132,6 +133,34 @@ def test_cache_reset_starts_a_new_sequence(block):
         out, cache = block.run(m, x, None, cache)
     torch.testing.assert_close(out, full, atol=2e-5, rtol=1e-4)
     assert cache.length == 4
+
+
+# blocks whose caches carry the accessors of docs/protocol.md and start from empty_cache
+EMPTY_CACHE_BLOCKS = ["memory_caching", "mom_read", "engram", "stack_memory"]
+
+
+@pytest.mark.parametrize("name", EMPTY_CACHE_BLOCKS)
+def test_empty_cache_records_batch_dtype_device_and_clones(name):
+    """``empty_cache(batch, *, dtype, device)`` is the one way to start decoding; the
+    cache answers ``length``/``batch``/``dtype``/``device``/``config``, a clone
+    continues like the original, and a cache of another batch or device is refused."""
+    block = BY_NAME[name]
+    m = block.build("reference")
+    cache = m.empty_cache(3)
+    assert (cache.length, cache.batch, cache.dtype, cache.device) == (0, 3, torch.float32, torch.device("cpu"))
+    assert cache.config and isinstance(cache.config, dict)
+    x = _x(B=3, T=4)
+    with torch.no_grad():
+        _, filled = block.run(m, x, None, cache)
+        twin = filled.clone()
+        out_a, _ = block.run(m, x[:, :1], None, filled)
+        out_b, _ = block.run(m, x[:, :1], None, twin)
+    assert twin is not filled and twin.length == filled.length == 4 and cache.length == 0
+    torch.testing.assert_close(out_b, out_a, atol=0, rtol=0)
+    with pytest.raises(ShapeError, match="batch"):
+        block.run(m, _x(B=2, T=1), None, filled)
+    with pytest.raises(DeviceError, match="cache"):
+        block.run(m, x, None, m.empty_cache(3, device="meta"))
 
 
 def test_linear_appends_reuse_storage_and_double_capacity():
@@ -288,7 +317,8 @@ def test_newer_mechanisms_run_under_cpu_autocast(backend):
     ids = torch.randint(0, 8, (2, 3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         h = torch.nn.functional.linear(x, torch.eye(HIDDEN))        # a bf16 activation, as autocast makes
-        outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h), blocks["spelling_bee"](ids, h),
+        outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h).output,
+                blocks["spelling_bee"](ids, token_embeddings=h),
                 blocks["stack_memory"](h)[0], blocks["leviathan"](ids), blocks["mosrah"](h).output]
     for out in outs:
         assert torch.isfinite(out.float()).all()
@@ -302,13 +332,13 @@ def test_float64_laurel_reference_computes_in_float64():
     f, x = torch.randn(3, 4, dtype=torch.float64, generator=g), torch.randn(3, 4, dtype=torch.float64, generator=g)
     a, b = torch.tensor(0.3, dtype=torch.float64), torch.tensor(-1.1, dtype=torch.float64)
     w = torch.softmax(torch.stack([a, b]), 0)
-    assert (laurel_reference(f, x, a, b) - (w[0] * f + w[1] * x)).abs().max() < 1e-15
+    assert (laurel_reference(x, a, b, sublayer_output=f) - (w[0] * f + w[1] * x)).abs().max() < 1e-15
 
 
 def test_dtype_mismatch_with_module_parameters_is_a_named_error():
     x = torch.randn(1, 3, HIDDEN, dtype=torch.bfloat16)
     with pytest.raises(DTypeError, match="parameters"):
-        MoMRead(HIDDEN, 2, 8, 2, 2, 4)(x, MoMRead.init_bank(4, 2, HIDDEN))
+        MoMRead(HIDDEN, 2, 8, 2, 2, 4)(x, M_blocks=MoMRead.init_bank(4, 2, HIDDEN))
     with pytest.raises(DTypeError, match="parameters"):
         EngramModule(HIDDEN, 8, num_heads=2, table_size=31)(x)
 

@@ -1,5 +1,5 @@
-"""The new-user walk-through: each of the ten blocks dropped into a small GPT written
-the way another codebase would write it (token embedding, pre-norm layers, LM head),
+"""The new-user walk-through: each block dropped into a small GPT written the way
+another codebase would write it (token embedding, pre-norm layers, LM head),
 trained a step on both backends under CPU autocast, switched with ``set_backend``,
 and decoded with beam-search-style branching. Small shapes, CPU, both backends."""
 import pytest
@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttention, EngramModule,
-                                ExclusiveSelfAttention, LAuReL, LucidAttention, MemoryCacheBranch, MoMRead,
-                                SiameseNormFinal, SiameseNormLayer, set_backend, siamese_start)
+                                ExclusiveSelfAttention, HRMRefinementBlock, LAuReL, LeviathanGenerator, LucidAttention,
+                                MemoryCacheBranch, MoMRead, SharedMatrix, SiameseNormFinal, SiameseNormLayer,
+                                SpellingBeeEmbedding, set_backend, siamese_start)
 
 VOCAB, D, H, HKV, HD, B, T = 32, 16, 2, 1, 8, 2, 6
 CORES = {
@@ -19,7 +20,9 @@ CORES = {
 }
 DECODING = ["derf", "affine_scaled_attention", "elo_attention", "lucid_attention", "memory_caching", "mom_read",
             "engram"]
-ALL = ["laurel", "siamese_norm", "xsa", *DECODING]
+# blocks that transform each position (or token) alone; the model's SDPA mixes tokens
+POSITION_WISE = ["hrm_refinement", "spelling_bee", "leviathan", "shared_matrix"]
+ALL = ["laurel", "siamese_norm", "xsa", *POSITION_WISE, *DECODING]
 
 
 class Attention(nn.Module):
@@ -74,6 +77,24 @@ class TinyGPT(nn.Module):
             nn.init.ones_(self.mom.mom_scale)
         elif kind == "engram":
             self.engram = EngramModule(D, 8, num_heads=2, table_size=31, gate_init_bias=0.5)
+        elif kind == "leviathan":
+            self.embed = LeviathanGenerator(vocab_size=VOCAB, hidden_size=D, seed_dim=8, num_modes=2, num_knots=4,
+                                            rank=4)
+        elif kind == "spelling_bee":
+            self.bee = SpellingBeeEmbedding(VOCAB, D)
+            self.bee.set_byte_table_from_strings([f"w{i}" for i in range(VOCAB)])
+        elif kind == "hrm_refinement":
+            self.refine = HRMRefinementBlock(D, 8, 2)
+            nn.init.normal_(self.refine.up.weight, std=0.2)
+        elif kind == "shared_matrix":     # the MLP at a half-width tier of nested matrices
+            self.up, self.down = SharedMatrix(4 * D, D, base_fan_in=D), SharedMatrix(D, 4 * D, base_fan_in=2 * D)
+            nn.init.normal_(self.down.delta, std=0.1)
+
+    def empty_cache(self, batch):
+        """The decoding cache of this model's one token-mixing block (None: the block
+        starts from cache=None)."""
+        memory = {"engram": "engram", "mom_read": "mom", "memory_caching": "memory"}.get(self.kind)
+        return getattr(self, memory).empty_cache(batch) if memory else None
 
     def empty_cache(self, batch):
         """Where decoding starts: the attention core's empty cache (the memory blocks
@@ -82,23 +103,31 @@ class TinyGPT(nn.Module):
 
     def forward(self, tokens, mask=None, cache=None):
         x = self.embed(tokens)
+        if self.kind == "spelling_bee":
+            x = self.bee(tokens, token_embeddings=x)
         if self.kind == "siamese_norm":
             return self.head(self.final(*self.layer(*siamese_start(x)))), None
         if self.kind == "engram":
-            read, cache, _ = self.engram(x, cache=cache, attention_mask=mask)
+            read, cache, _ = self.engram(x, mask, cache)
             x = x + read
         elif self.kind == "mom_read":
-            read, cache = self.mom(self.norm1(x), self.bank, cache=cache)
+            read, cache = self.mom(self.norm1(x), mask, cache, M_blocks=self.bank)
             x = x + read
         elif self.kind == "memory_caching":
-            read, cache = self.memory(self.norm1(x), mask, cache=cache)
+            read, cache = self.memory(self.norm1(x), mask, cache)
             x = x + read
-        if self.kind in CORES or self.kind in ("affine_scaled_attention", "xsa", "laurel"):
+        if self.kind in CORES or self.kind in ("affine_scaled_attention", "xsa", "laurel", *POSITION_WISE):
             # (the memory blocks above are this model's only token mixing, so they decode alone)
             a, cache = self.attn(self.norm1(x), mask, cache=cache)
             x = x + a
-        m = self.mlp(self.norm2(x))
-        x = self.residual(m, x) if self.kind == "laurel" else x + m
+        if self.kind == "shared_matrix":
+            h = F.gelu(self.up(self.norm2(x), mask, rows=2 * D, ratio=0.5))
+            m = self.down(h, mask, rows=D, ratio=0.5)
+        else:
+            m = self.mlp(self.norm2(x))
+        x = self.residual(x, sublayer_output=m) if self.kind == "laurel" else x + m
+        if self.kind == "hrm_refinement":
+            x = self.refine(x).output
         return self.head(x), cache
 
 

@@ -169,17 +169,20 @@ laurel_combine.register_autograd(_backward, setup_context=_setup_context)
 
 
 def laurel(
-    f: torch.Tensor,
     x: torch.Tensor,
     alpha_logit: torch.Tensor | None = None,
     beta_logit: torch.Tensor | None = None,
     lr_A: torch.Tensor | None = None,
     lr_B: torch.Tensor | None = None,
+    *,
+    sublayer_output: torch.Tensor,
 ) -> torch.Tensor:
     """Triton LAuReL with the signature of :func:`laminae.primitives.laurel.laurel_reference`.
 
-    ``f``, ``x``: ``[..., D]`` fp32/bf16/fp16; returns ``y`` in their dtype.
+    ``x`` (the residual) and ``sublayer_output``: ``[..., D]`` fp32/bf16/fp16; returns
+    ``y`` in their dtype.
     """
+    f = sublayer_output
     if f.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise DTypeError(f"Triton LAuReL supports fp32/bf16/fp16 inputs, got {f.dtype}")
     shape = f.shape
@@ -216,7 +219,7 @@ def tour_case(device: torch.device):
     gen = torch.Generator().manual_seed(0)
     rows, d, rank = 2 * 64, 256, 32
     inputs = {
-        "f": torch.randn(rows, d, generator=gen).to(device),
+        "sublayer_output": torch.randn(rows, d, generator=gen).to(device),
         "x": torch.randn(rows, d, generator=gen).to(device),
         "alpha_logit": torch.tensor(0.3).to(device),
         "beta_logit": torch.tensor(-0.2).to(device),

@@ -577,27 +577,27 @@ def memory_caching(
     u: torch.Tensor,
     p: torch.Tensor,
     segment_len: int,
-    mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Triton Memory Caching readout with the signature of
     :func:`laminae.primitives.memory_caching.memory_caching_reference`.
 
     ``q``, ``k``, ``v`` ``[B, S, H, D]`` and ``u``, ``p`` ``[B, S, G]`` in one of
-    fp32/bf16/fp16; ``mask`` an optional ``(B, S)`` keep mask. Returns ``y``
+    fp32/bf16/fp16; ``attention_mask`` an optional ``(B, S)`` keep mask. Returns ``y``
     ``[B, S, H, D]`` in the input dtype. Any ``segment_len``; ``head_dim ≤ 128``
     (``MAX_HEAD_DIM``), otherwise ``ConfigError``.
     The gates (O(S·N·G), no head dim) are torch; gradients reach u and p through them.
     """
-    check_memory_caching_inputs(q, k, v, u, p, segment_len, mask, eps)
+    check_memory_caching_inputs(q, k, v, u, p, segment_len, attention_mask, eps)
     if q.dtype not in _SUPPORTED:
         raise DTypeError(f"Triton memory caching supports fp32/bf16/fp16 inputs, got {q.dtype}")
     B, S, H, D = q.shape
     if not supports_tile(segment_len, D):
         raise ConfigError(f"Triton memory caching supports head_dim <= {MAX_HEAD_DIM} (any segment_len); "
                           f"got head_dim={D}. Use the reference backend for larger heads")
-    keep = (torch.ones(B, S, dtype=torch.float32, device=q.device) if mask is None
-            else (mask != 0).to(torch.float32)).contiguous()
+    keep = (torch.ones(B, S, dtype=torch.float32, device=q.device) if attention_mask is None
+            else (attention_mask != 0).to(torch.float32)).contiguous()
     gamma = segment_gates(u, p, keep, int(segment_len)).contiguous()
     y, _ = memory_caching_core(q.contiguous(), k.contiguous(), v.contiguous(), gamma, keep,
                                int(segment_len), float(eps))
@@ -656,6 +656,6 @@ def tour_case(device: torch.device):
                                   ("u", (B, S, G)), ("p", (B, S, G)))}
     mask = torch.ones(B, S, dtype=torch.bool)
     mask[1, :5] = False
-    inputs.update(segment_len=16, mask=mask.to(device))
+    inputs.update(segment_len=16, attention_mask=mask.to(device))
     return TourCase("memory_caching (L=16, ragged)", memory_caching, memory_caching_reference, inputs,
                     ["q", "k", "v", "u", "p"])

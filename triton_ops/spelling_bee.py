@@ -212,8 +212,8 @@ spelling_bee_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def spelling_bee(
-    ids: torch.Tensor,
-    e_tok: torch.Tensor,
+    input_ids: torch.Tensor,
+    token_embeddings: torch.Tensor,
     byte_embed: torch.Tensor,
     byte_ids: torch.Tensor,
     byte_len: torch.Tensor,
@@ -226,9 +226,11 @@ def spelling_bee(
     """Triton Spelling Bee with the signature of
     :func:`laminae.primitives.spelling_bee.spelling_bee_reference`.
 
-    ``ids`` [...] int32/int64, ``e_tok`` [..., d] fp32/bf16/fp16 (d even), ``byte_embed``
-    [256, d], ``byte_ids`` [V, 16], ``byte_len`` [V]. Returns [..., d] in e_tok's dtype.
+    ``input_ids`` [...] int32/int64, ``token_embeddings`` [..., d] fp32/bf16/fp16 (d even),
+    ``byte_embed`` [256, d], ``byte_ids`` [V, 16], ``byte_len`` [V]. Returns [..., d] in
+    token_embeddings' dtype.
     """
+    ids, e_tok = input_ids, token_embeddings
     if e_tok.dtype not in _KERNEL_DTYPES:
         raise DTypeError(f"Triton Spelling Bee supports fp32/bf16/fp16 e_tok, got {e_tok.dtype}")
     if pad_mode not in PAD_MODES or mode not in MODES:
@@ -274,11 +276,11 @@ def tour_case(device: torch.device):
              for k in torch.randint(0, 20, (vocab,), generator=gen)]
     byte_ids, byte_len = byte_table_from_strings(words)
     inputs = {
-        "ids": torch.randint(0, vocab, (rows,), generator=gen).to(device),
-        "e_tok": torch.randn(rows, d, generator=gen).to(device),
+        "input_ids": torch.randint(0, vocab, (rows,), generator=gen).to(device),
+        "token_embeddings": torch.randn(rows, d, generator=gen).to(device),
         "byte_embed": (0.5 * torch.randn(256, d, generator=gen)).to(device),
         "byte_ids": byte_ids.to(device),
         "byte_len": byte_len.to(device),
     }
     return TourCase("spelling_bee (V=300, d=128)", spelling_bee, spelling_bee_reference, inputs,
-                    ["e_tok", "byte_embed"])
+                    ["token_embeddings", "byte_embed"])

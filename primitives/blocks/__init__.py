@@ -4,7 +4,7 @@ written with PyTorch's own ops; the mechanisms beside this folder are what they 
 from .gqa import AttentionOutput, GroupedQueryAttention, sdpa_core
 from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
 from .losses import abstention_loss, cross_entropy, shift_labels, z_loss
-from .moe import GroupedSwiGLU, SparseMoE
+from .moe import GroupedSwiGLU, MoEOutput, SparseMoE
 from .norms import RMSNorm, rms_norm
 from .rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 from .sliding_window import SlidingWindowAttention, SlidingWindowCache
@@ -14,7 +14,7 @@ __all__ = [
     "AttentionOutput", "GroupedQueryAttention", "sdpa_core",
     "HCOutputMix", "HyperConnection", "expand_streams",
     "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
-    "GroupedSwiGLU", "SparseMoE",
+    "GroupedSwiGLU", "MoEOutput", "SparseMoE",
     "RMSNorm", "rms_norm",
     "RotaryEmbedding", "apply_rotary", "rope_inv_freq",
     "SlidingWindowAttention", "SlidingWindowCache",

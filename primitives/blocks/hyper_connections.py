@@ -62,12 +62,13 @@ class HyperConnection(nn.Module):
 
 
 class HCOutputMix(nn.Module):
-    """``[B, M, S, H]`` → ``[B, S, H]`` with softmax(weight) (zeros = mean)."""
+    """``forward(x [B, M, S, H]) -> [B, S, H]``: the streams mixed with softmax(weight)
+    (zeros = mean)."""
 
     def __init__(self, hc_mult: int) -> None:
         super().__init__()
         check_positive_int("hc_mult", hc_mult)
         self.weight = nn.Parameter(torch.zeros(hc_mult))
 
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        return _mix(streams, self.weight)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _mix(x, self.weight)

@@ -5,7 +5,7 @@ Per token x (flattened ``T = B·S`` rows):
     z       = router(x)                                        [T, E]
     s       = softmax(z)  or  sqrt(softplus(z) + 1e-8)         scoring
     (w, e)  = top-k(s);  w ← w / (Σw + 1e-8) if normalised;  w ← w · routed_scaling_factor
-    hash routing instead (the first layers of a model): e_j = (position + j) mod E, w = 1/k
+    hash routing instead (the first layers of a model): e_j = (position_id + j) mod E, w = 1/k
     y       = Σ_j w_j · expert_{e_j}(x)  +  shared(x) / n_shared
 
 Aux loss (routed layers only): ``coef · E · Σ_e f_e · p̄_e`` with f_e the share of
@@ -110,7 +110,7 @@ class SparseMoE(nn.Module):
         scoring: "softmax" or "sqrtsoftplus".
         normalize_top_k: renormalise the top-k scores to sum to 1 (+1e-8).
         routed_scaling_factor: multiplies the routed weights.
-        hash_routing: route by position ((p mod E) + j) mod E with weights 1/k; the
+        hash_routing: route by position id ((p mod E) + j) mod E with weights 1/k; the
             router is kept (checkpoint compatibility) but frozen and unused.
         aux_loss_coef: coefficient of the load-balancing loss.
         initializer_range: N(0, σ²) init of the experts.
@@ -118,13 +118,15 @@ class SparseMoE(nn.Module):
     Parameters: ``router.weight`` [E, H]; ``experts`` (:class:`GroupedSwiGLU`);
     ``shared_expert`` (:class:`SwiGLU`) when shared experts are on.
 
-    ``forward(x [B, S, H], positions [B|1, S] | None) -> MoEOutput(y, aux_loss)``.
-    Without positions, hash routing uses the flat token index (the seed's fallback).
+    ``forward(x [B, S, H], *, position_ids [B|1, S] | None) -> MoEOutput(output, aux_loss)``.
+    Only hash routing reads ``position_ids``; without them it uses the flat token index
+    (the seed's fallback). Position-wise: no mask, no cache.
 
     Example::
 
         moe = SparseMoE(512, 256, num_experts=8, top_k=2, num_shared_experts=1)
         y, aux = moe(x)
+        y, _ = SparseMoE(512, 256, 8, 2, hash_routing=True)(x, position_ids=torch.arange(x.shape[1])[None])
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
@@ -156,15 +158,19 @@ class SparseMoE(nn.Module):
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, shared={self.num_shared_experts}, "
                 f"scoring={self.scoring!r}, hash_routing={self.hash_routing}")
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> MoEOutput:
+    def forward(self, x: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> MoEOutput:
         if x.dim() != 3 or x.shape[-1] != self.hidden_size:
             raise ShapeError(f"`x` must be (batch, seq, {self.hidden_size}), got {tuple(x.shape)}")
         B, S, H = x.shape
+        if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != S
+                                         or position_ids.shape[0] not in (1, B)):
+            raise ShapeError(f"`position_ids` must be (batch or 1, seq) = ({B} or 1, {S}), got "
+                             f"{tuple(position_ids.shape)}")
         T, E, K = B * S, self.num_experts, self.top_k
         flat = x.reshape(T, H)
         aux = None
         if self.hash_routing:
-            base = (positions.expand(B, S).reshape(T, 1) if positions is not None
+            base = (position_ids.expand(B, S).reshape(T, 1) if position_ids is not None
                     else torch.arange(T, device=x.device).unsqueeze(1)) % E
             idx = (base.long() + torch.arange(K, device=x.device)) % E
             weights = torch.full((T, K), 1.0 / K, device=x.device, dtype=flat.dtype)

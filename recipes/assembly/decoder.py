@@ -81,27 +81,34 @@ def _call_attention(module, h, ctx, state):
 
 
 def _call_moe(module, h, ctx, state):
-    out, aux = module(h, ctx.positions)
+    out, aux = module(h, position_ids=ctx.positions)
     if aux is not None:
         ctx.aux_losses.append(aux)
     return out, None
 
 
+def _decoding_cache(module, h, ctx, state):
+    """The branch's cache for this call: its own from the previous call, an empty one
+    on the first decoding call, None (no decoding) in training."""
+    if state is not None or not ctx.decoding:
+        return state
+    return module.empty_cache(h.shape[0], dtype=h.dtype, device=h.device)
+
+
 def _call_mom(module, h, ctx, state):
-    out, cache = module(h, ctx.shared["M_blocks"], ctx.attention_mask, cache=state)
-    return out, (cache if ctx.decoding else None)
+    return tuple(module(h, ctx.attention_mask, _decoding_cache(module, h, ctx, state),
+                        M_blocks=ctx.shared["M_blocks"])[:2])
 
 
 def _call_memory_cache(module, h, ctx, state):
-    out, cache = module(h, ctx.attention_mask, cache=state)
-    return out, (cache if ctx.decoding else None)
+    return tuple(module(h, ctx.attention_mask, _decoding_cache(module, h, ctx, state))[:2])
 
 
 def _call_engram_fusion(module, x, ctx, state):
-    ngram = ctx.shared["ngram"].to(x.dtype)
+    ngram = ctx.shared["ngram"]
     if x.dim() == 4:   # hyper-connection streams share one n-gram read
         ngram = ngram.unsqueeze(1).expand_as(x)
-    return module(x, ngram), None
+    return module(x, ngram=ngram), None
 
 
 def _default_calls() -> dict[type, BranchCall]:
@@ -273,9 +280,10 @@ class DecoderModel(nn.Module):
             mixes them back with ``hc_out_mix`` (:class:`HCOutputMix`).
         input_stage: ``(name, module)`` reading the embeddings before the layers; an
             :class:`~laminae.primitives.engram.EngramModule` adds its gated read and
-            shares the raw read as ``ctx.shared["ngram"]``.
+            shares the raw read as ``ctx.shared["ngram"]`` (decoding starts from its
+            ``empty_cache``).
         value_embedding: share the token embedding as ``ctx.shared["token_embed"]``.
-        refiner: ``(name, module)`` called as ``module(x, return_all=...)`` before the
+        refiner: ``(name, module)`` called as ``output, states = module(x)`` before the
             final norm (HRM refinement); ``deep_supervision`` keeps its states in training.
         shared: model-level parameters handed to every branch by name (Naylis' bank).
         max_positions: the context (cached + new tokens); longer inputs raise ShapeError
@@ -348,8 +356,11 @@ class DecoderModel(nn.Module):
         input_state = None
         if self.input_stage is not None:
             stage = getattr(self, self.input_stage)
-            out, input_state, ctx.shared["ngram"] = stage(x, cache=cache.input_state if cache is not None else None,
-                                                          attention_mask=attention_mask)
+            stage_cache = None
+            if cache is not None:
+                stage_cache = (cache.input_state if cache.input_state is not None
+                               else stage.empty_cache(B, dtype=x.dtype, device=x.device))
+            out, input_state, ctx.shared["ngram"] = stage(x, attention_mask, stage_cache)
             x = x + out
         if self.hc_mult > 1:
             x = expand_streams(x, self.hc_mult)
@@ -373,12 +384,9 @@ class DecoderModel(nn.Module):
             x = self.hc_out_mix(x)
         refine_states = None
         if self.refiner is not None:
-            refiner = getattr(self, self.refiner)
+            x, states = getattr(self, self.refiner)(x)
             if self.deep_supervision and self.training:
-                x, states = refiner(x, return_all=True)
                 refine_states = [self.norm(s) for s in states]
-            else:
-                x = refiner(x)
         new_cache = None
         if cache is not None:
             new_cache = DecoderCache(past + S, tuple(new_slots), input_state, self.signature)

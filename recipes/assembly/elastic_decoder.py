@@ -74,7 +74,7 @@ class _TierLinear:
     def __call__(self, kind: str, module: SharedMatrix, x: torch.Tensor) -> torch.Tensor:
         t = self.tiers
         rows, _ = t.block_shape(kind, self.tier)
-        return module(x, rows, t.fan_in_ratio(kind, self.tier), output_divisor=t.output_divisor(kind))
+        return module(x, rows=rows, ratio=t.fan_in_ratio(kind, self.tier), output_divisor=t.output_divisor(kind))
 
 
 class ElasticAttention(nn.Module):
@@ -250,7 +250,8 @@ class ElasticCausalLM(nn.Module):
             x, slot = layer(x, linear, cos, sin, keep, slot, sig, cache is not None)
             new_slots.append(slot)
         h = rms_norm(x, self.norm.weight[:n], self.eps)
-        logits = self.lm_head(h, self.tiers.fan_in_ratio("lm_head", tier), self.tiers.logit_scale_index(tier))
+        logits = self.lm_head(h, ratio=self.tiers.fan_in_ratio("lm_head", tier),
+                              scale_index=self.tiers.logit_scale_index(tier))
         new_cache = DecoderCache(past + S, tuple(new_slots), None, sig) if cache is not None else None
         return LMOutput(logits, h, logits.new_zeros(()), new_cache, None)
 

@@ -3,7 +3,7 @@ one pre-norm stream with optional LAuReL residual weights, and StackMemory on th
 attention-branch input.
 
     ids → token embedding (nn.Embedding or a generator such as Leviathan)
-        → [Spelling Bee]                                   e = bee(ids, e)
+        → [Spelling Bee]                                   e = bee(ids, token_embeddings=e)
     two streams:  X = Y = e;  (X, Y) ← SiameseNormLayer(X, Y)   per layer;  z = SiameseNormFinal(X, Y)
     one stream:   x = e;      x ← PreNormLayer(x)                per layer;  z = norm(x)
 
@@ -74,7 +74,7 @@ class AttentionSublayer(nn.Module):
     def forward(self, h: torch.Tensor, ctx: FlowContext) -> torch.Tensor:
         inp = h * self.input_scale if self.input_scale != 1.0 else h
         if self.stack is not None:
-            inp, _, ctx.stack_state = self.stack(inp, ctx.stack_state, ctx.attention_mask)
+            inp, _, ctx.stack_state = self.stack(inp, ctx.attention_mask, state=ctx.stack_state)
         # decoding starts from the block's empty cache (its core's own kind: LUCID keeps v')
         cache = ctx.caches_in[self.layer_idx] if ctx.decoding else None
         if ctx.decoding and cache is None:
@@ -97,7 +97,7 @@ class ScaledSublayer(nn.Module):
 
 class PreNormLayer(nn.Module):
     """One pre-norm layer, ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, or with
-    LAuReL modules ``x = laurel(f, x)`` for each sublayer (the seed applies LAuReL to
+    LAuReL modules ``x = laurel(x, sublayer_output=f)`` for each sublayer (the seed applies LAuReL to
     both). ``attn_norm`` may be ``nn.Identity`` (no input norm at layer 0).
 
     ``forward(x [B, S, D], attn_kwargs, mlp_kwargs) -> x``."""
@@ -112,7 +112,7 @@ class PreNormLayer(nn.Module):
 
     def _residual(self, laurel, f, x):
         f = F.dropout(f, self.dropout, self.training)
-        return laurel(f, x) if laurel is not None else x + f
+        return laurel(x, sublayer_output=f) if laurel is not None else x + f
 
     def forward(self, x: torch.Tensor, attn_kwargs: dict | None = None, mlp_kwargs: dict | None = None):
         x = self._residual(self.attn_laurel, self.attention(self.attn_norm(x), **(attn_kwargs or {})), x)
@@ -181,7 +181,7 @@ class StreamDecoderModel(nn.Module):
         embed = getattr(self, self.embed_name)
         x = embed(ids) if isinstance(embed, nn.Embedding) else embed(ids, attention_mask)
         if hasattr(self, "spelling_bee"):
-            x = self.spelling_bee(ids, x)
+            x = self.spelling_bee(ids, token_embeddings=x)
         return x
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -116,14 +116,15 @@ class ElasticDecoder(nn.Module):
         def linear(name, x):
             kind = name.split(".", 2)[2]
             rows, _ = t.block_shape(kind, tier)
-            return modules[name](x, rows, t.fan_in_ratio(kind, tier), output_divisor=t.output_divisor(kind))
+            return modules[name](x, rows=rows, ratio=t.fan_in_ratio(kind, tier), output_divisor=t.output_divisor(kind))
 
         return decoder(
             ids, width=n, head_dim=t.head_dim, eps=cfg["rms_norm_eps"], theta=cfg["rope_theta"],
             rope_precision=cfg["rope_precision"], num_layers=cfg["num_hidden_layers"],
             embed=lambda i: self.embed_tokens(i)[..., :n], gain=lambda name: modules[name].weight[:n],
             linear=linear,
-            readout=lambda h: self.lm_head(h, t.fan_in_ratio("lm_head", tier), t.logit_scale_index(tier)))
+            readout=lambda h: self.lm_head(h, ratio=t.fan_in_ratio("lm_head", tier),
+                                           scale_index=t.logit_scale_index(tier)))
 
 
 def dense_logits(state: dict, dense_config: dict, ids):

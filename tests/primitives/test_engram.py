@@ -7,8 +7,8 @@ from torch import nn
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
 from laminae.primitives.engram import (
     EngramLayerFusion,
+    EngramCache,
     EngramModule,
-    EngramState,
     MultiHeadHashLookup,
     TokenCompressor,
     engram_bucket_ids,
@@ -216,19 +216,18 @@ def test_prefill_then_single_token_steps_equal_the_full_forward(max_ngram, prefi
                           backend="reference")
     x = torch.randn(2, 9, 24)
     full = engram(x)
-    assert full.cache.length == 9
+    assert full.cache is None                      # cache=None: no decoding
     outs, reads = [], []
-    state = None
+    state = engram.empty_cache(2)
     if prefill:
-        res = engram(x[:, :prefill], state)
+        res = engram(x[:, :prefill], cache=state)
         outs.append(res.output), reads.append(res.retrieved)
         state = res.cache
     for t in range(prefill, 9):
-        res = engram(x[:, t:t + 1], state)
+        res = engram(x[:, t:t + 1], cache=state)
         outs.append(res.output), reads.append(res.retrieved)
         state = res.cache
-        expected_len = min(max_ngram - 1, t + 1)
-        assert (state.prefix is None) if max_ngram == 1 else state.prefix.shape[1] == expected_len
+        assert state.length == t + 1 and state.prefix.shape[1] == min(max_ngram - 1, t + 1)
     # bit-identical: the boundary n-grams are hashed from the same cached vectors
     assert torch.equal(torch.cat(reads, 1), full.retrieved)
     torch.testing.assert_close(torch.cat(outs, 1), full.output, atol=1e-6, rtol=1e-6)
@@ -241,7 +240,7 @@ def test_next_prefix_keeps_the_last_window_and_detaches():
     p2 = engram_next_prefix(p, c[:, :1], 3)
     assert torch.equal(p2, torch.cat([c[:, 4:], c[:, :1]], 1))
     assert engram_next_prefix(None, c, 1) is None
-    assert EngramState().advance(c[:, :1], 3).prefix.shape == (2, 1, 4)
+    assert EngramCache(torch.zeros(2, 0, 4)).advance(c[:, :1], 3).prefix.shape == (2, 1, 4)
 
 
 def test_gradcheck_lookup_tables_float64():
@@ -306,14 +305,14 @@ def test_decoding_cache_remembers_padding_inside_the_window():
     x = torch.randn(1, 4, 16)
     keep = torch.tensor([[0, 0, 1, 1]], dtype=torch.bool)
     with torch.no_grad():
-        prefill = engram(x[:, :3], attention_mask=keep[:, :3])
-        assert prefill.cache.prefix_keep.tolist() == [[False, True]]
-        step = engram(x[:, 3:], prefill.cache)
-        other = engram(torch.randn(1, 1, 16), prefill.cache)
-        assert prefill.cache.prefix_keep.tolist() == [[False, True]] and other.cache.prefix_keep.tolist() == [[True, True]]
+        prefill = engram(x[:, :3], keep[:, :3], engram.empty_cache(1))
+        assert prefill.cache.keep.tolist() == [[False, True]]
+        step = engram(x[:, 3:], cache=prefill.cache)
+        other = engram(torch.randn(1, 1, 16), cache=prefill.cache)
+        assert prefill.cache.keep.tolist() == [[False, True]] and other.cache.keep.tolist() == [[True, True]]
         alone = engram(x[:, 2:])
     torch.testing.assert_close(step.retrieved, alone.retrieved[:, 1:], atol=0, rtol=0)
-    assert step.cache.prefix_keep.tolist() == [[True, True]]
+    assert step.cache.keep.tolist() == [[True, True]]
 
 
 def test_gradcheck_fusion_float64():
@@ -333,7 +332,7 @@ def test_fusion_gate_formula_and_identity_at_init():
     torch.manual_seed(11)
     fusion = EngramLayerFusion(12, 8, backend="reference")
     hidden, ngram = torch.randn(2, 5, 12), torch.randn(2, 5, 12)
-    assert torch.equal(fusion(hidden, ngram), hidden)  # zero-init out_proj
+    assert torch.equal(fusion(hidden, ngram=ngram), hidden)  # zero-init out_proj
     hl, kl, v = torch.randn(3, 8), torch.randn(3, 8), torch.randn(3, 8)
     w1, w2 = torch.ones(8), torch.ones(8)
     h = hl * torch.rsqrt(hl.pow(2).mean(-1, keepdim=True) + 1e-6)
@@ -447,16 +446,22 @@ def test_named_errors():
         TokenCompressor(0, 4)
     with pytest.raises(ShapeError):
         TokenCompressor(8, 4)(torch.randn(3, 7))
+    engram = EngramModule(8, 4, num_heads=2, table_size=11)
+    with pytest.raises(DTypeError, match="cache"):
+        engram(torch.randn(2, 3, 8), cache=engram.empty_cache(2, dtype=torch.float64))
+    with pytest.raises(ConfigError, match="max_ngram"):
+        engram(torch.randn(2, 3, 8), cache=EngramModule(8, 4, 2, 11, max_ngram=2).empty_cache(2))
+    assert engram.empty_cache(2, dtype=torch.bfloat16).dtype == torch.float32   # where hashing runs
     fusion = EngramLayerFusion(8, 4)
     with pytest.raises(ConfigError):
         EngramLayerFusion(8, 4, eps=0.0)
     with pytest.raises(ShapeError):
-        fusion(torch.randn(2, 8), torch.randn(3, 8))
+        fusion(torch.randn(2, 8), ngram=torch.randn(3, 8))
     with pytest.raises(ShapeError, match="hidden_size=8"):
-        fusion(torch.randn(2, 7), torch.randn(2, 7))
+        fusion(torch.randn(2, 7), ngram=torch.randn(2, 7))
     with pytest.raises(DTypeError):
-        fusion(torch.randn(2, 8), torch.randn(2, 8).double())
-    with pytest.raises(DTypeError, match="module parameters"):
-        fusion(torch.randn(2, 8).double(), torch.randn(2, 8).double())
+        fusion(torch.randn(2, 8), ngram=torch.randn(2, 8).double())
+    with pytest.raises(DTypeError, match="parameters"):
+        fusion(torch.randn(2, 8).double(), ngram=torch.randn(2, 8).double())
     with pytest.raises(DeviceError):
-        fusion(torch.randn(2, 8, device="meta"), torch.randn(2, 8, device="meta"))
+        fusion(torch.randn(2, 8, device="meta"), ngram=torch.randn(2, 8, device="meta"))

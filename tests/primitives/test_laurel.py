@@ -41,7 +41,7 @@ def test_spec_worked_examples(case, expected):
         "lr_b01": dict(lr_A=A, lr_B=B1),
         "rwlr_b01": dict(alpha_logit=one, beta_logit=zero, lr_A=A, lr_B=B1),
     }[case]
-    y = laurel_reference(f, x, **args)
+    y = laurel_reference(x, sublayer_output=f, **args)
     torch.testing.assert_close(y, torch.tensor(expected), atol=1e-6, rtol=0)
 
 
@@ -61,13 +61,13 @@ def test_parameter_counts_match_seed():
 def test_lr_at_init_is_identity_residual():
     m = LAuReL(16, use_rw=False, use_lr=True, lr_rank=4, backend="reference")
     f, x = torch.randn(2, 3, 16), torch.randn(2, 3, 16)
-    torch.testing.assert_close(m(f, x), f + x)
+    torch.testing.assert_close(m(x, sublayer_output=f), f + x)
 
 
 def test_large_logit_gap_selects_branch():
     m = LAuReL(8, use_rw=True, rw_init=(40.0, 0.0), backend="reference")
     f, x = torch.randn(5, 8), torch.randn(5, 8)
-    torch.testing.assert_close(m(f, x), f)
+    torch.testing.assert_close(m(x, sublayer_output=f), f)
 
 
 def test_weights_sum_to_one_and_are_positive():
@@ -97,7 +97,7 @@ def test_gradcheck_reference_float64(rw, lr):
     def fn(f, x, *p):
         it = iter(p)
         full = [next(it) if q is not None else None for q in params]
-        return laurel_reference(f, x, *full, upcast=False)
+        return laurel_reference(x, *full, sublayer_output=f, upcast=False)
 
     assert torch.autograd.gradcheck(fn, (f, x, *[p for p in params if p is not None]))
 
@@ -129,19 +129,29 @@ def test_bad_config_raises(kwargs, err):
         LAuReL(16, **kwargs)
 
 
+def test_sublayer_output_is_a_keyword_and_x_the_residual():
+    m = LAuReL(8, use_rw=True, rw_init=(40.0, 0.0), backend="reference")   # y ≈ sublayer_output
+    x, f = torch.randn(2, 8), torch.randn(2, 8)
+    torch.testing.assert_close(m(x, sublayer_output=f), f)
+    with pytest.raises(TypeError):
+        m(f, x)
+    with pytest.raises(TypeError):
+        laurel_reference(f, x, m.alpha_logit, m.beta_logit)
+
+
 def test_bad_inputs_raise():
     m = LAuReL(16, use_rw=True, use_lr=True, lr_rank=4)
-    with pytest.raises(ShapeError, match="same shape"):
-        m(torch.randn(2, 16), torch.randn(3, 16))
+    with pytest.raises(ShapeError, match="sublayer_output"):
+        m(torch.randn(3, 16), sublayer_output=torch.randn(2, 16))
     with pytest.raises(ShapeError, match="hidden_size=16"):
-        m(torch.randn(2, 8), torch.randn(2, 8))
+        m(torch.randn(2, 8), sublayer_output=torch.randn(2, 8))
     with pytest.raises(DTypeError):
-        m(torch.randn(2, 16), torch.randn(2, 16, dtype=torch.float16))
+        m(torch.randn(2, 16, dtype=torch.float16), sublayer_output=torch.randn(2, 16))
     with pytest.raises(DTypeError):
-        m(torch.ones(2, 16, dtype=torch.int32), torch.ones(2, 16, dtype=torch.int32))
+        m(torch.ones(2, 16, dtype=torch.int32), sublayer_output=torch.ones(2, 16, dtype=torch.int32))
     with pytest.raises(TypeError):
-        m([1.0] * 16, torch.randn(16))
+        m(torch.randn(16), sublayer_output=[1.0] * 16)
     with torch.no_grad():
         m.alpha_logit.fill_(float("inf"))
-    with pytest.raises(ValueError, match="not finite"):
-        m(torch.randn(2, 16), torch.randn(2, 16))
+    with pytest.raises(ConfigError, match="must be finite, got \\[inf, 0.0\\]"):
+        m(torch.randn(2, 16), sublayer_output=torch.randn(2, 16))

@@ -3,10 +3,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
-from laminae.primitives.leviathan import (LeviathanGenerator, TokenIdError, leviathan_base, leviathan_basis,
-                                          leviathan_digits, leviathan_knot_grid, leviathan_kwargs_from_config,
-                                          leviathan_reference)
+from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError, TokenIdError
+from laminae.primitives.leviathan import (LeviathanGenerator, leviathan_base, leviathan_basis, leviathan_digits,
+                                          leviathan_knot_grid, leviathan_kwargs_from_config, leviathan_reference)
 
 NAMES = ["codebooks", "head_proj_weight", "head_norm_weight", "head_norm_bias", "head_spline_delta", "head_out_weight"]
 

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,7 +78,7 @@ def test_reference_equals_seed_math(S, masked):
     x = torch.randn(2, S, 12)
     mask = _ragged(2, S) if masked else None
     y, cache = m(x, mask)
-    assert isinstance(cache, MemoryCachingCache) and cache.length == S
+    assert cache is None                      # cache=None: no decoding, no cache built
     kept = slice(None) if mask is None else mask.bool()   # the module zeroes padded tokens first
     torch.testing.assert_close(y[kept], seed_mc_forward(m, x, mask)[kept], atol=1e-5, rtol=1e-5)
 
@@ -127,7 +129,7 @@ def test_single_segment_without_earlier_memory_is_causal_linear_attention():
 
 
 def _decode(m, x, mask, prefix):
-    y0, cache = m(x[:, :prefix], None if mask is None else mask[:, :prefix])
+    y0, cache = m(x[:, :prefix], None if mask is None else mask[:, :prefix], cache=m.empty_cache(x.shape[0]))
     ys = [y0]
     for t in range(prefix, x.shape[1]):
         yt, cache = m(x[:, t:t + 1], None if mask is None else mask[:, t:t + 1], cache=cache)
@@ -144,7 +146,9 @@ def test_prefill_then_steps_equals_full_forward(S, prefix, masked):
     full, _ = m(x, mask)
     with torch.no_grad():
         dec, cache = _decode(m, x, mask, prefix)
-    assert cache.length == S
+    assert isinstance(cache, MemoryCachingCache) and cache.length == S
+    L = m.segment_len
+    assert cache.segment_memories.shape == (2, S // L, 2, 4, 4) and cache.open_length == S % L
     assert (dec - full).abs().max() < 1e-5
 
 
@@ -153,7 +157,7 @@ def test_multi_token_continuation_equals_full_forward():
     x = torch.randn(2, 15, 12)
     full, _ = m(x)
     with torch.no_grad():
-        a, cache = m(x[:, :6])
+        a, cache = m(x[:, :6], cache=m.empty_cache(2))
         b, cache = m(x[:, 6:15], cache=cache)
     torch.testing.assert_close(torch.cat([a, b], 1), full, atol=1e-5, rtol=1e-5)
 
@@ -167,8 +171,8 @@ def test_two_call_sites_keep_separate_caches():
     full2, _ = m(x2)
     with torch.no_grad():
         caches = {}
-        o1, caches[0, 0] = m(x1[:, :3])
-        o2, caches[0, 1] = m(x2[:, :3])
+        o1, caches[0, 0] = m(x1[:, :3], cache=m.empty_cache(2))
+        o2, caches[0, 1] = m(x2[:, :3], cache=m.empty_cache(2))
         outs1, outs2 = [o1], [o2]
         for t in range(3, 10):
             o1, caches[0, 0] = m(x1[:, t:t + 1], cache=caches[0, 0])
@@ -181,14 +185,20 @@ def test_two_call_sites_keep_separate_caches():
     assert caches[0, 0].length == 0
 
 
-def test_bf16_input_runs_in_fp32_and_returns_bf16():
+def test_bf16_module_runs_in_fp32_and_returns_bf16():
     m = _branch()
     x = torch.randn(2, 9, 12)
-    y32, _ = m(x)
-    y16, _ = m(x.bfloat16())
+    m16 = _branch(dtype=torch.bfloat16)
+    y16, _ = m16(x.bfloat16())
     assert y16.dtype == torch.bfloat16
-    torch.testing.assert_close(y16.float(), seed_mc_forward(m, x.bfloat16().float(), None), atol=2e-2, rtol=2e-2)
-    assert y32.dtype == torch.float32
+    want = seed_mc_forward(copy.deepcopy(m16).float(), x.bfloat16().float(), None)
+    torch.testing.assert_close(y16.float(), want, atol=2e-2, rtol=2e-2)
+    with pytest.raises(DTypeError, match="parameters"):     # the cast policy: outside autocast, the weights' dtype
+        m(x.bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m(x.bfloat16())[0].dtype == torch.bfloat16
+    cache = m16.empty_cache(2, dtype=torch.bfloat16)
+    assert cache.dtype == torch.float32                     # the state is fp32 whatever the activations
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -223,7 +233,7 @@ def test_errors():
     with pytest.raises(TypeError):
         m(torch.randn(2, 5, 12), cache={})
     with torch.no_grad():
-        _, cache = m(torch.randn(2, 5, 12))
+        _, cache = m(torch.randn(2, 5, 12), cache=m.empty_cache(2))
         with pytest.raises(ShapeError):
             m(torch.randn(3, 1, 12), cache=cache)
         with pytest.raises(ConfigError, match="segment_len"):

@@ -8,7 +8,7 @@ from torch import nn
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
 from laminae.primitives.mom_read import (
     MoMRead,
-    MoMReadState,
+    MoMReadCache,
     collect_mom_aux_loss,
     mom_gate_bias,
     mom_load_balance_loss,
@@ -148,8 +148,8 @@ def test_module_equals_literal_seed_math(training):
     torch.manual_seed(123)
     expected = seed_mod(x, bank)
     torch.manual_seed(123)
-    got, cache = ours(x, bank)
-    assert isinstance(cache, MoMReadState) and cache.length == x.shape[1]
+    got, cache = ours(x, M_blocks=bank)
+    assert cache is None                          # cache=None: no decoding
     torch.testing.assert_close(got, expected, atol=2e-6, rtol=1e-5)
     if training:
         assert torch.equal(ours.last_top_idx, seed_mod.last_top_idx)
@@ -224,11 +224,11 @@ def test_router_and_layer_are_causal():
     _, m, bank = _pair(3)
     m.eval()
     x = torch.randn(2, 10, 32)
-    y, _ = m(x, bank)
+    y, _ = m(x, M_blocks=bank)
     for t in (0, 4, 8):
         x2 = x.clone()
         x2[:, t + 1:] += torch.randn_like(x2[:, t + 1:]) * 5
-        y2, _ = m(x2, bank)
+        y2, _ = m(x2, M_blocks=bank)
         assert torch.equal(y2[:, :t + 1], y[:, :t + 1])
         assert torch.equal(mom_prefix_mean(x2)[:, :t + 1], mom_prefix_mean(x)[:, :t + 1])
     h = mom_prefix_mean(x)
@@ -240,22 +240,22 @@ def test_eval_has_no_noise_and_training_noise_follows_the_seed_rng():
     x = torch.randn(2, 12, 32)
     m.eval()
     torch.manual_seed(1)
-    a, _ = m(x, bank)
+    a, _ = m(x, M_blocks=bank)
     torch.manual_seed(2)
-    b, _ = m(x, bank)
+    b, _ = m(x, M_blocks=bank)
     assert torch.equal(a, b)
     assert m.last_router_probs is None  # nothing stashed in eval
     m.train()
     outs = []
     for s in (1, 2):
         torch.manual_seed(s)
-        outs.append(m(x, bank)[0])
+        outs.append(m(x, M_blocks=bank)[0])
     assert not torch.equal(outs[0], outs[1])
     m.noise_scale = 0.0
     torch.manual_seed(1)
-    c, _ = m(x, bank)
+    c, _ = m(x, M_blocks=bank)
     torch.manual_seed(2)
-    d, _ = m(x, bank)
+    d, _ = m(x, M_blocks=bank)
     assert torch.equal(c, d) and torch.equal(c, a)
 
 
@@ -264,7 +264,7 @@ def test_zero_mom_scale_is_a_silent_path_and_the_router_still_gets_the_aux_gradi
     m = MoMRead(32, 4, mem_size=24, block_size=4, top_blocks=2, router_rank=5, initializer_range=0.3).train()
     bank = nn.Parameter(MoMRead.init_bank(6, 4, 32, std=0.5))
     x = torch.randn(2, 8, 32, requires_grad=True)
-    y, _ = m(x, bank)
+    y, _ = m(x, M_blocks=bank)
     assert torch.equal(y, torch.zeros_like(y))
     (y * torch.randn_like(y)).sum().backward()
     assert m.mom_scale.grad.abs().item() > 0
@@ -273,7 +273,7 @@ def test_zero_mom_scale_is_a_silent_path_and_the_router_still_gets_the_aux_gradi
             assert torch.all(p.grad == 0), name
     assert torch.all(bank.grad == 0) and torch.all(x.grad == 0)
     m.zero_grad()
-    m(x, bank)
+    m(x, M_blocks=bank)
     collect_mom_aux_loss(m.modules()).backward()
     assert m.router_down.weight.grad.abs().sum() > 0 and m.router_up.weight.grad.abs().sum() > 0
     assert m.q_proj.weight.grad is None or torch.all(m.q_proj.weight.grad == 0)
@@ -303,7 +303,7 @@ def test_collect_aux_averages_layers_and_divides_by_accumulation_steps():
     bank = torch.randn(4, 3 * 16)
     x = torch.randn(2, 5, 16)
     for layer in layers:
-        layer(x, bank)
+        layer(x, M_blocks=bank)
     expected = [mom_load_balance_loss(layer.last_router_probs, layer.last_top_idx, 4).aux for layer in layers]
     aux = collect_mom_aux_loss(layers.modules(), accum_steps=4)
     torch.testing.assert_close(aux, (expected[0] + expected[1]) / 2 / 4)
@@ -392,7 +392,7 @@ def test_module_gradients_reach_every_parameter_and_the_bank():
 
     def fn(x, bank, *params):
         return torch.func.functional_call(m, dict(zip([n for n, _ in m.named_parameters()], params)),
-                                          (x, bank))[0]
+                                          (x,), {"M_blocks": bank})[0]
 
     assert torch.autograd.gradcheck(fn, (x, bank, *[p.detach().clone().requires_grad_(True)
                                                     for p in m.parameters()]), fast_mode=True)
@@ -411,16 +411,17 @@ def test_decode_prefill_and_steps_equal_the_full_forward():
     bank = torch.randn(6, 4 * 32)
     x = torch.randn(2, 16, 32)
     with torch.no_grad():
-        full, cache = m(x, bank)
-        assert cache.length == 16
-        out, state = m(x[:, :5], bank, cache=None)
+        full, cache = m(x, M_blocks=bank)
+        assert cache is None
+        out, state = m(x[:, :5], cache=m.empty_cache(x.shape[0]), M_blocks=bank)
         outs = [out]
         for t in range(5, 16):
-            out, state = m(x[:, t:t + 1], bank, cache=state)
+            out, state = m(x[:, t:t + 1], M_blocks=bank, cache=state)
             outs.append(out)
-        chunked, state2 = m(x[:, 5:], bank, cache=m(x[:, :5], bank).cache)
+        chunked, state2 = m(x[:, 5:], M_blocks=bank, cache=m(x[:, :5], cache=m.empty_cache(2), M_blocks=bank).cache)
     decoded = torch.cat(outs, 1)
-    assert state.count == 16 and state2.count == 16
+    assert isinstance(state, MoMReadCache) and state.length == 16 and state2.length == 16
+    assert state.kept_count is None and state.batch == 2 and state.dtype == torch.float32
     torch.testing.assert_close(state.prefix_sum, x.sum(1), atol=1e-5, rtol=1e-5)
     # h_t from a running sum rounds differently from the parallel cumulative sum;
     # the seeded inputs have no router near-tie, so the blocks agree and outputs match
@@ -450,20 +451,24 @@ def test_forward_errors():
     m = MoMRead(32, 4, 24, 4, 2, 5)
     bank = torch.randn(6, 128)
     with pytest.raises(ShapeError, match="x"):
-        m(torch.randn(4, 32), bank)
+        m(torch.randn(4, 32), M_blocks=bank)
     with pytest.raises(ShapeError, match="hidden_size"):
-        m(torch.randn(1, 4, 30), bank)
+        m(torch.randn(1, 4, 30), M_blocks=bank)
     with pytest.raises(ShapeError, match="at least one token"):
-        m(torch.randn(1, 0, 32), bank)
+        m(torch.randn(1, 0, 32), M_blocks=bank)
     with pytest.raises(ValueError, match="M_blocks. is required"):
-        m(torch.randn(1, 4, 32), None)
+        m(torch.randn(1, 4, 32), M_blocks=None)
     with pytest.raises(ShapeError, match="M_blocks"):
-        m(torch.randn(1, 4, 32), torch.randn(6, 127))
+        m(torch.randn(1, 4, 32), M_blocks=torch.randn(6, 127))
     with pytest.raises(DTypeError):
-        m(torch.randint(0, 3, (1, 4, 32)), bank)
+        m(torch.randint(0, 3, (1, 4, 32)), M_blocks=bank)
     with pytest.raises(DeviceError):
-        m(torch.randn(1, 4, 32), bank.to("meta"))
+        m(torch.randn(1, 4, 32), M_blocks=bank.to("meta"))
     with pytest.raises(ShapeError, match="batch size"):
-        m(torch.randn(2, 1, 32), bank, cache=MoMReadState(torch.zeros(3, 32), 4))
+        m(torch.randn(2, 1, 32), M_blocks=bank, cache=m.empty_cache(3))
+    with pytest.raises(DTypeError, match="cache"):
+        m(torch.randn(2, 1, 32), M_blocks=bank, cache=m.empty_cache(2, dtype=torch.float64))
+    with pytest.raises(DeviceError, match="cache"):
+        m(torch.randn(2, 1, 32), M_blocks=bank, cache=m.empty_cache(2, device="meta"))
     with pytest.raises(TypeError, match="MoMReadCache"):
-        m(torch.randn(2, 1, 32), bank, cache=(torch.zeros(2, 32), 4))
+        m(torch.randn(2, 1, 32), M_blocks=bank, cache=(torch.zeros(2, 32), 4))

@@ -317,7 +317,7 @@ def test_module_under_cpu_autocast_matches_bf16_reference():
     x = torch.randn(2, 3, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x, rows=20, ratio=2.0)
-        logits = Readout(24, 16, base_fan_in=4)(x, 2.0)
+        logits = Readout(24, 16, base_fan_in=4)(x, ratio=2.0)
     assert y.dtype == torch.bfloat16 and logits.dtype == torch.float32
     expected = F.linear(x.bfloat16(), m.block(20, 16, 2.0).bfloat16())
     torch.testing.assert_close(y, expected)
@@ -370,14 +370,18 @@ def test_bad_inputs_raise_named_errors():
 
 def test_module_errors():
     m = SharedMatrix(12, 10)
-    with pytest.raises(DTypeError, match="parameter dtype torch.float32 outside autocast, got torch.bfloat16"):
+    with pytest.raises(DTypeError, match="`x` has dtype bfloat16 but the module's parameters are float32"):
         m(torch.randn(2, 10, dtype=torch.bfloat16))
+    with pytest.raises(TypeError):                   # rows, ratio, scale_index are keyword-only
+        m(torch.randn(2, 10), None, 12)
+    with pytest.raises(TypeError):
+        Readout(8, 4)(torch.randn(1, 4), None, 1.0)
     with pytest.raises(ShapeError, match="0-dim"):
         m(torch.tensor(1.0))
     with pytest.raises(ConfigError, match="unsplit SharedMatrix"):
         SharedMatrix(4, 4, split=False).block(2, 2, 3.0)
     with pytest.raises(ConfigError, match="scale_index"):
-        Readout(8, 4, num_scales=2)(torch.randn(1, 4), 1.0, scale_index=2)
+        Readout(8, 4, num_scales=2)(torch.randn(1, 4), ratio=1.0, scale_index=2)
     with pytest.raises(ConfigError, match="out_features"):
         SharedMatrix(0, 4)
     with pytest.raises(ConfigError, match="backend"):

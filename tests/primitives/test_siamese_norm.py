@@ -8,6 +8,7 @@ from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
 from laminae.primitives.siamese_norm import (
     SiameseNormFinal,
     SiameseNormLayer,
+    SiameseStreams,
     siamese_boundary_reference,
     siamese_depth_constant,
     siamese_start,
@@ -336,8 +337,8 @@ def test_state_dict_keys_other_variants():
 def test_accepts_plain_callables_and_passes_kwargs():
     seen = {}
 
-    def attention(h, keep_mask=None):
-        seen["attn"] = keep_mask
+    def attention(h, attention_mask=None):
+        seen["attn"] = attention_mask
         return torch.zeros_like(h)
 
     def mlp(h, scale=1.0):
@@ -347,9 +348,13 @@ def test_accepts_plain_callables_and_passes_kwargs():
     layer = SiameseNormLayer(6, 0, attention, mlp, backend="reference")
     mask = torch.ones(2, 3)
     x, y = torch.randn(2, 3, 6), torch.randn(2, 3, 6)
-    _, y_out = layer(x, y, attn_kwargs={"keep_mask": mask}, mlp_kwargs={"scale": 2.0})
+    out = layer(x, y, attn_kwargs={"attention_mask": mask}, mlp_kwargs={"scale": 2.0})
     assert seen["attn"] is mask and seen["mlp"] == 2.0
-    torch.testing.assert_close(y_out - y, torch.full_like(y, 2.0))
+    assert isinstance(out, SiameseStreams) and out._fields == ("x", "y")
+    torch.testing.assert_close(out.y - y, torch.full_like(y, 2.0))
+    assert isinstance(siamese_start(x), SiameseStreams)
+    with pytest.raises(TypeError):          # the sublayers' kwargs are keyword-only
+        layer(x, y, {"attention_mask": mask})
 
 
 # ---------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def test_identical_spellings_identical_vectors_position_independent():
     bee = _module()
     ids = torch.tensor([[0, 1, 0], [2, 0, 1]])
     e_tok = torch.zeros(2, 3, 8)
-    out = bee(ids, e_tok)
+    out = bee(ids, token_embeddings=e_tok)
     torch.testing.assert_close(out[0, 0], out[0, 1])
     torch.testing.assert_close(out[0, 0], out[1, 1])
     torch.testing.assert_close(out[0, 0], out[1, 2])
@@ -102,10 +102,10 @@ def test_modes_match_their_formulas(pad_mode, mode):
         terms.append(torch.cat([u[:4] * cos[i] - u[4:] * sin[i], u[4:] * cos[i] + u[:4] * sin[i]]))
     scale = 1 / math.sqrt(n) if mode == "masked_sqrt" else 1 / 16
     expected = scale * torch.stack(terms).sum(0)
-    got = 2 * bee(torch.tensor([v]), torch.zeros(1, 8))[0]
+    got = 2 * bee(torch.tensor([v]), token_embeddings=torch.zeros(1, 8))[0]
     torch.testing.assert_close(got, expected)
     if mode == "masked_sqrt":  # an empty token has s = 0
-        assert torch.equal(bee(torch.tensor([3]), torch.zeros(1, 8)), torch.zeros(1, 8))
+        assert torch.equal(bee(torch.tensor([3]), token_embeddings=torch.zeros(1, 8)), torch.zeros(1, 8))
 
 
 def test_gradcheck_reference_float64():
@@ -148,9 +148,9 @@ def test_float64_is_computed_in_float64(mode):
     bee.set_byte_table(byte_ids, byte_len)
     with torch.no_grad():
         bee.byte_embed.weight.copy_(byte_embed)
-    unbaked = bee(torch.tensor([0]), e_tok)
+    unbaked = bee(torch.tensor([0]), token_embeddings=e_tok)
     bee.eval().bake_inference_table()
-    for got in (unbaked, bee(torch.tensor([0]), e_tok), bee.fold_into_embedding(e_tok)):
+    for got in (unbaked, bee(torch.tensor([0]), token_embeddings=e_tok), bee.fold_into_embedding(e_tok)):
         torch.testing.assert_close(got[0], torch.tensor(expected, dtype=torch.float64), rtol=1e-13, atol=1e-15)
 
 
@@ -161,20 +161,20 @@ def test_unchecked_out_of_range_ids_give_nan_rows():
     ids = torch.tensor([[0, -1, 4], [12, 7, 40]])
     valid = (ids >= 0) & (ids < 12)
     e_tok = torch.randn(2, 3, 8, requires_grad=True)
-    out = bee(ids, e_tok)
+    out = bee(ids, token_embeddings=e_tok)
     assert torch.equal(out.isnan().all(-1), ~valid) and not out[valid].isnan().any()
-    torch.testing.assert_close(out[valid], bee(ids[valid], e_tok[valid]))
+    torch.testing.assert_close(out[valid], bee(ids[valid], token_embeddings=e_tok[valid]))
     (grad,) = torch.autograd.grad(out[valid].sum(), bee.byte_embed.weight)
     assert grad.isfinite().all()
     bee.eval().bake_inference_table()
-    torch.testing.assert_close(bee(ids, e_tok), out, equal_nan=True)
+    torch.testing.assert_close(bee(ids, token_embeddings=e_tok), out, equal_nan=True)
 
 
 def test_one_error_class_for_out_of_range_ids():
     bee = _module(validate_ids=True)
     gen = LeviathanGenerator(vocab_size=12, hidden_size=8, seed_dim=4, num_modes=1, num_knots=4, rank=2,
                              backend="reference", validate_ids=True)
-    for call in (lambda ids: bee(ids, torch.zeros(*ids.shape, 8)), gen):
+    for call in (lambda ids: bee(ids, token_embeddings=torch.zeros(*ids.shape, 8)), gen):
         with pytest.raises(TokenIdError, match=r"`\w*ids` must lie in \[0, vocab_size=12\), got 12"):
             call(torch.tensor([0, 12]))
         with pytest.raises(TokenIdError, match=r"got -1 \(2 of 3 ids out of range, values in \[-1, 15\]\)"):
@@ -188,9 +188,9 @@ def test_reference_compiles_with_fullgraph():
     bee = _module()
     ids = torch.tensor([[0, 4, 11], [3, 7, 1]])
     e_tok = torch.randn(2, 3, 8, requires_grad=True)
-    out = torch.compile(bee, fullgraph=True, backend="eager")(ids, e_tok)
+    out = torch.compile(bee, fullgraph=True, backend="eager")(ids, token_embeddings=e_tok)
     grads = torch.autograd.grad(out.square().sum(), [e_tok, bee.byte_embed.weight])
-    eager = bee(ids, e_tok)
+    eager = bee(ids, token_embeddings=e_tok)
     want = torch.autograd.grad(eager.square().sum(), [e_tok, bee.byte_embed.weight])
     torch.testing.assert_close(out, eager)
     for got, ref in zip(grads, want):
@@ -201,16 +201,16 @@ def test_bake_matches_unbaked_and_is_dropped_by_train():
     bee = _module().eval()
     ids = torch.tensor([[0, 3, 4, 7, 11]])
     e_tok = torch.randn(1, 5, 8)
-    ref = bee(ids, e_tok)
+    ref = bee(ids, token_embeddings=e_tok)
     baked = bee.bake_inference_table()
     assert baked.shape == (12, 8)
-    torch.testing.assert_close(bee(ids, e_tok), ref)
+    torch.testing.assert_close(bee(ids, token_embeddings=e_tok), ref)
     bee.train()
     assert bee.baked is None
     bee.eval().bake_inference_table()
     bee.training = True  # e.g. a caller flipping the flag by hand
     with pytest.raises(RuntimeError, match="unbake"):
-        bee(ids, e_tok)
+        bee(ids, token_embeddings=e_tok)
 
 
 def test_fold_into_dense_embedding_is_one_lookup():
@@ -218,7 +218,7 @@ def test_fold_into_dense_embedding_is_one_lookup():
     table = torch.randn(12, 8)
     ids = torch.tensor([[1, 4, 11, 3]])
     folded = bee.fold_into_embedding(table)
-    torch.testing.assert_close(folded[ids], bee(ids, table[ids]))
+    torch.testing.assert_close(folded[ids], bee(ids, token_embeddings=table[ids]))
     with pytest.raises(ShapeError, match="embedding_weight"):
         bee.fold_into_embedding(torch.randn(11, 8))
 
@@ -228,7 +228,7 @@ def test_state_dict_roundtrip_keeps_table():
     other = SpellingBeeEmbedding(12, 8, backend="reference")
     other.load_state_dict(bee.state_dict(), strict=True)
     ids, e_tok = torch.tensor([4, 5]), torch.randn(2, 8)
-    torch.testing.assert_close(other(ids, e_tok), bee(ids, e_tok))
+    torch.testing.assert_close(other(ids, token_embeddings=e_tok), bee(ids, token_embeddings=e_tok))
 
 
 def test_runs_under_cpu_autocast():
@@ -236,15 +236,17 @@ def test_runs_under_cpu_autocast():
     ids = torch.tensor([[0, 4]])
     e_tok = torch.randn(1, 2, 8, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = bee(ids, e_tok)
+        out = bee(ids, token_embeddings=e_tok)
     out.sum().backward()
     assert out.shape == e_tok.shape and bee.byte_embed.weight.grad is not None
+    # the cast policy: the block's own math runs with autocast off, on fp32 activations here
+    torch.testing.assert_close(out, bee(ids, token_embeddings=e_tok), atol=1e-7, rtol=1e-6)
 
 
 def test_forward_before_table_raises():
     bee = SpellingBeeEmbedding(4, 8)
     with pytest.raises(RuntimeError, match="set_byte_table"):
-        bee(torch.tensor([0]), torch.zeros(1, 8))
+        bee(torch.tensor([0]), token_embeddings=torch.zeros(1, 8))
     with pytest.raises(RuntimeError, match="set_byte_table"):
         bee.bake_inference_table()
 
@@ -272,19 +274,21 @@ def test_bad_inputs_raise():
     bee = _module(validate_ids=True)
     e = torch.zeros(2, 8)
     with pytest.raises(TokenIdError, match=r"\[0, vocab_size=12\), got 12"):
-        bee(torch.tensor([0, 12]), e)
+        bee(torch.tensor([0, 12]), token_embeddings=e)
     with pytest.raises(ConfigError, match=r"got -1"):     # a TokenIdError is a ConfigError, as before
-        bee(torch.tensor([-1, 0]), e)
-    with pytest.raises(DTypeError, match="ids"):
-        bee(torch.tensor([0.0, 1.0]), e)
-    with pytest.raises(ShapeError, match="e_tok"):
-        bee(torch.tensor([0, 1]), torch.zeros(2, 6))
-    with pytest.raises(ShapeError, match="e_tok"):
-        bee(torch.tensor([[0, 1]]), e)
+        bee(torch.tensor([-1, 0]), token_embeddings=e)
+    with pytest.raises(DTypeError, match="input_ids"):
+        bee(torch.tensor([0.0, 1.0]), token_embeddings=e)
+    with pytest.raises(TypeError):                       # the token embeddings are keyword-only
+        bee(torch.tensor([0, 1]), e)
+    with pytest.raises(ShapeError, match="token_embeddings"):
+        bee(torch.tensor([0, 1]), token_embeddings=torch.zeros(2, 6))
+    with pytest.raises(ShapeError, match="token_embeddings"):
+        bee(torch.tensor([[0, 1]]), token_embeddings=e)
     with pytest.raises(DTypeError, match="bfloat16"):
-        bee(torch.tensor([0, 1]), e.bfloat16())
+        bee(torch.tensor([0, 1]), token_embeddings=e.bfloat16())
     with pytest.raises(DeviceError, match="meta"):
-        bee(torch.tensor([0, 1]), torch.zeros(2, 8, device="meta"))
+        bee(torch.tensor([0, 1]), token_embeddings=torch.zeros(2, 8, device="meta"))
 
 
 def test_bad_byte_tables_raise():

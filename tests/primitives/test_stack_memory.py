@@ -238,7 +238,7 @@ def test_state_threads_over_layers_like_the_spec_recurrence():
     stack = mask = None
     entropies = []
     for layer in layers:
-        _, _, state = layer(x, state, keep)
+        _, _, state = layer(x, keep, state=state)
         ref = stack_memory_reference(x, *layer._params()[:5], stack, mask, keep, num_heads=2, num_slots=4)
         _, stack, mask, ent = ref
         entropies.append(ent[keep])
@@ -271,7 +271,7 @@ def test_temporal_prefill_then_steps_equals_full_forward(read_mode):
     keep = torch.ones(2, 9, dtype=torch.bool)
     keep[0, :2] = False
     full = m(x, attention_mask=keep).output
-    cache = m.allocate_cache(2)
+    cache = m.empty_cache(2)
     y, cache, _ = m(x[:, :4], attention_mask=keep[:, :4], cache=cache)
     outs = [y]
     for t in range(4, 9):
@@ -285,7 +285,7 @@ def test_two_branches_from_one_cache_are_independent():
     m = _module(mode="temporal")
     x = torch.randn(2, 6, 32)
     a, b = torch.randn(2, 1, 32), torch.randn(2, 1, 32)
-    _, cache, _ = m(x, cache=m.allocate_cache(2))
+    _, cache, _ = m(x, cache=m.empty_cache(2))
     before = cache.stack.clone(), cache.stack_mask.clone(), cache.length
     ya, cache_a, _ = m(a, cache=cache)
     yb, cache_b, _ = m(b, cache=cache)
@@ -302,7 +302,7 @@ def test_two_branches_from_one_cache_are_independent():
 
 def test_cache_reset_does_not_touch_sibling_caches():
     m = _module(mode="temporal")
-    _, cache, _ = m(torch.randn(1, 4, 32), cache=m.allocate_cache(1))
+    _, cache, _ = m(torch.randn(1, 4, 32), cache=m.empty_cache(1))
     _, child, _ = m(torch.randn(1, 1, 32), cache=cache)
     snapshot = child.stack.clone()
     cache.reset()
@@ -379,33 +379,38 @@ def test_state_from_another_configuration_raises():
     x = torch.randn(2, 5, 32)
     _, _, state = _module(stack_slots=5)(x)
     with pytest.raises(ConfigError, match="another StackMemory configuration"):
-        m(x, state)
+        m(x, state=state)
     _, _, state = _module(mode="temporal")(x)
     with pytest.raises(ConfigError, match="another StackMemory configuration"):
-        m(x, state)
+        m(x, state=state)
     _, _, state = m(x)
     with pytest.raises(ShapeError, match="state.stack"):
-        m(torch.randn(2, 4, 32), state)
+        m(torch.randn(2, 4, 32), state=state)
     bad = StackMemoryState(state.config, state.stack.double().half(), state.stack_mask, state.entropy_sum,
                            state.entropy_count)
     with pytest.raises(DTypeError, match="state.stack"):
-        m(x, bad)
+        m(x, state=bad)
 
 
 def test_cache_misuse_raises():
     m = _module(mode="temporal")
-    cache = m.allocate_cache(2)
+    cache = m.empty_cache(2)
     with pytest.raises(ShapeError, match="batch"):
         m(torch.randn(3, 1, 32), cache=cache)
     with pytest.raises(ConfigError, match="another configuration"):
-        m(torch.randn(2, 1, 32), cache=_module(mode="temporal", stack_slots=3).allocate_cache(2))
+        m(torch.randn(2, 1, 32), cache=_module(mode="temporal", stack_slots=3).empty_cache(2))
     with pytest.raises(TypeError, match="StackMemoryCache"):
         m(torch.randn(2, 1, 32), cache={"stack": None})
     depth = _module()
     with pytest.raises(ConfigError, match="temporal"):
         depth(torch.randn(2, 1, 32), cache=cache)
     with pytest.raises(ConfigError, match="temporal"):
-        depth.allocate_cache(2)
+        depth.empty_cache(2)
+    with pytest.raises(DTypeError, match="cache"):
+        m(torch.randn(2, 1, 32), cache=m.empty_cache(2, dtype=torch.float64))
+    with pytest.raises(DeviceError, match="cache"):
+        m(torch.randn(2, 1, 32), cache=m.empty_cache(2, device="meta"))
+    assert m(torch.randn(2, 3, 32)).cache is None          # cache=None: no decoding
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
@@ -422,7 +427,7 @@ def test_device_mismatch_of_the_state_raises_on_meta():
     moved = StackMemoryState(state.config, state.stack.to("meta"), state.stack_mask.to("meta"),
                              state.entropy_sum, state.entropy_count)
     with pytest.raises(DeviceError, match="state.stack"):
-        m(x, moved)
+        m(x, state=moved)
     with pytest.raises(DeviceError, match="attention_mask"):
         m(x, attention_mask=torch.ones(2, 5, dtype=torch.bool, device="meta"))
 
@@ -431,7 +436,7 @@ def test_float64_module_keeps_float64():
     m = _module().double()
     out, _, state = m(torch.randn(2, 3, 32, dtype=torch.float64))
     assert out.dtype == torch.float64 and state.stack.dtype == torch.float64
-    _, _, state2 = m(torch.randn(2, 3, 32, dtype=torch.float64), state)
+    _, _, state2 = m(torch.randn(2, 3, 32, dtype=torch.float64), state=state)
     assert state2.num_layers == 2
 
 

@@ -216,7 +216,7 @@ def test_modules_backends_agree_and_decode_equals_forward():
     for backend in ("reference", "triton"):
         engram.lookup.backend = fusion.backend = backend
         res = engram(x)
-        y = fusion(x, res.retrieved)
+        y = fusion(x, ngram=res.retrieved)
         loss = (res.output * upstream).sum() + (y * y).sum()
         params = [t.weight for t in engram.lookup.tables] + list(fusion.parameters())
         results.append((res.retrieved, y, torch.autograd.grad(loss, params)))
@@ -227,10 +227,10 @@ def test_modules_backends_agree_and_decode_equals_forward():
     # prefill 4 tokens, then one token at a time (n-grams straddle every boundary)
     engram.lookup.backend = "triton"
     full = engram(x).retrieved
-    res = engram(x[:, :4])
+    res = engram(x[:, :4], cache=engram.empty_cache(x.shape[0]))
     reads, state = [res.retrieved], res.cache
     for t in range(4, 9):
-        res = engram(x[:, t:t + 1], state)
+        res = engram(x[:, t:t + 1], cache=state)
         reads.append(res.retrieved)
         state = res.cache
     assert torch.equal(torch.cat(reads, 1), full)
@@ -308,7 +308,7 @@ def test_compile_fullgraph_smoke():
 
     def step(x):
         read = engram.retrieve(x)
-        return fusion(x, read) + engram(x, retrieved=read).output
+        return fusion(x, ngram=read) + engram(x, retrieved=read).output
 
     y = torch.compile(step, fullgraph=True)(x)
     y.sum().backward()
@@ -399,10 +399,10 @@ def test_left_padded_prefill_then_steps_equals_the_unpadded_run(backend, prefill
     x = torch.where(mask[..., None], x, float("nan"))
     with torch.no_grad():
         full = engram(x, attention_mask=mask)
-        res = engram(x[:, :prefill], attention_mask=mask[:, :prefill])
+        res = engram(x[:, :prefill], mask[:, :prefill], engram.empty_cache(2))
         reads, outs, cache = [res.retrieved], [res.output], res.cache
         for t in range(prefill, 9):
-            res = engram(x[:, t:t + 1], cache, attention_mask=mask[:, t:t + 1])
+            res = engram(x[:, t:t + 1], mask[:, t:t + 1], cache)
             reads.append(res.retrieved)
             outs.append(res.output)
             cache = res.cache

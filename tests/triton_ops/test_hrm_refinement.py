@@ -63,10 +63,10 @@ def test_module_backends_agree_including_parameter_grads():
     res = []
     for backend in ("reference", "triton"):
         block.backend = backend
-        h, states = block(x, return_all=True)
+        h, states = block(x)
         assert torch.equal(h, states[-1])
-        loss = (torch.stack(states) * g).sum()
-        res.append((torch.stack(states), torch.autograd.grad(loss, [x, *block.parameters()])))
+        loss = (states * g).sum()
+        res.append((states, torch.autograd.grad(loss, [x, *block.parameters()])))
     torch.testing.assert_close(res[0][0], res[1][0])
     for a, b in zip(res[0][1], res[1][1]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
@@ -78,11 +78,11 @@ def test_module_triton_backend_runs_under_cpu_autocast():
         block.up.weight.normal_(std=0.2)
     x = torch.randn(2, 3, 16, device=DEVICE, requires_grad=True)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        h = block(x)
+        h = block(x).output
     h.sum().backward()
     assert h.dtype == x.dtype and x.grad is not None
     block.backend = "reference"
-    torch.testing.assert_close(h, block(x), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(h, block(x).output, atol=1e-5, rtol=1e-4)
 
 
 def test_triton_rejects_float64_and_wide_rows(monkeypatch):
@@ -134,6 +134,6 @@ def test_compile_fullgraph_smoke():
         block.up.weight.normal_(std=0.05)
     x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
     compiled = torch.compile(block, fullgraph=True)
-    h = compiled(x)
+    h = compiled(x).output
     h.sum().backward()
-    torch.testing.assert_close(h, block(x))
+    torch.testing.assert_close(h, block(x).output)

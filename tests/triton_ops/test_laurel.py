@@ -13,7 +13,7 @@ from .._helpers import DEVICE, assert_parity, scales, seeds
 def _inputs(rows, d, rank, rw, lr, scale, seed, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     inp = {
-        "f": (torch.randn(rows, d, generator=gen) * scale).to(DEVICE, dtype),
+        "sublayer_output": (torch.randn(rows, d, generator=gen) * scale).to(DEVICE, dtype),
         "x": (torch.randn(rows, d, generator=gen) * scale).to(DEVICE, dtype),
     }
     if rw:
@@ -40,7 +40,8 @@ def test_kernel_matches_reference_fp32(rows, d, rank, variant, scale, seed):
 def test_kernel_handles_leading_dims_and_noncontiguous():
     inp = _inputs(2 * 3 * 5, 24, 4, True, True, 1.0, 3)
     base_f = torch.randn(24, 30, device=DEVICE).t()  # non-contiguous [30, 24]
-    inp["f"] = base_f.reshape(2, 3, 5, 24) if base_f.is_contiguous() else base_f.contiguous().reshape(2, 3, 5, 24)
+    inp["sublayer_output"] = (base_f.reshape(2, 3, 5, 24) if base_f.is_contiguous()
+                              else base_f.contiguous().reshape(2, 3, 5, 24))
     inp["x"] = inp["x"].reshape(2, 3, 5, 24)
     assert_parity(laurel, laurel_reference, inp, list(inp))
 
@@ -56,7 +57,7 @@ def test_module_backends_agree_including_parameter_grads():
     res = []
     for backend in ("reference", "triton"):
         m.backend = backend
-        y = m(f, x)
+        y = m(x, sublayer_output=f)
         res.append((y, torch.autograd.grad(y, [f, x, *m.parameters()], g)))
     torch.testing.assert_close(res[0][0], res[1][0])
     for a, b in zip(res[0][1], res[1][1]):
@@ -65,7 +66,8 @@ def test_module_backends_agree_including_parameter_grads():
 
 def test_triton_rejects_float64():
     with pytest.raises(DTypeError):
-        laurel(torch.randn(2, 4, dtype=torch.float64, device=DEVICE), torch.randn(2, 4, dtype=torch.float64, device=DEVICE))
+        laurel(torch.randn(2, 4, dtype=torch.float64, device=DEVICE),
+               sublayer_output=torch.randn(2, 4, dtype=torch.float64, device=DEVICE))
 
 
 def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
@@ -74,7 +76,7 @@ def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     m = LAuReL(8, backend="triton")
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
-        m(torch.randn(2, 8), torch.randn(2, 8))
+        m(torch.randn(2, 8), sublayer_output=torch.randn(2, 8))
 
 
 def test_opcheck_schema_and_autograd_registration():
@@ -100,7 +102,7 @@ def test_opcheck_full_gpu():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_matches_reference_low_precision(dtype):
     inp = _inputs(257, 1000, 32, True, True, 1.0, 0, dtype=dtype)
-    inp["f"], inp["x"] = inp["f"].to(dtype), inp["x"].to(dtype)
+    inp["sublayer_output"], inp["x"] = inp["sublayer_output"].to(dtype), inp["x"].to(dtype)
     assert_parity(laurel, laurel_reference, inp, list(inp), dtype=dtype)
 
 
@@ -110,6 +112,6 @@ def test_compile_fullgraph_smoke():
     f = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
     x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
     compiled = torch.compile(m, fullgraph=True)
-    y = compiled(f, x)
+    y = compiled(x, sublayer_output=f)
     y.sum().backward()
-    torch.testing.assert_close(y, m(f, x))
+    torch.testing.assert_close(y, m(x, sublayer_output=f))

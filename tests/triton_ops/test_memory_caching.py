@@ -33,7 +33,7 @@ def _inputs(B, S, H, D, G, L, masked, scale, seed, dtype=torch.float32):
            for name, shape in (("q", (B, S, H, D)), ("k", (B, S, H, D)), ("v", (B, S, H, D)),
                                ("u", (B, S, G)), ("p", (B, S, G)))}
     inp["segment_len"] = L
-    inp["mask"] = keep_mask(B, S, gen) if masked else None
+    inp["attention_mask"] = keep_mask(B, S, gen) if masked else None
     return inp
 
 
@@ -121,7 +121,7 @@ def test_kernel_fp16_through_the_16bit_tiles(S, L, D, left_pad):
     inp = _inputs(2, S, 2, D, 6, L, False, 1.0, S, dtype=torch.float16)
     mask = torch.ones(2, S, dtype=torch.long, device=DEVICE)
     mask[1, :left_pad] = 0
-    inp["mask"] = mask
+    inp["attention_mask"] = mask
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(mc.CONFIGS, "16bit", SMALL_16BIT)
         assert mc._kind(inp["q"]) == "16bit"
@@ -141,7 +141,7 @@ def test_kernel_fully_padded_segment_and_bool_mask():
     mask = torch.ones(2, 20, dtype=torch.bool, device=DEVICE)
     mask[0, 4:8] = False   # a whole segment of padding: pool 0, empty memory
     mask[1, :3] = False
-    inp["mask"] = mask
+    inp["attention_mask"] = mask
     assert_parity(memory_caching, memory_caching_reference, inp, GRADS)
 
 
@@ -162,7 +162,7 @@ def test_module_backends_agree_including_parameter_grads_and_decode():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     # prefill through the kernel, then one-token steps
     with torch.no_grad():
-        out, cache = m(x[:, :6], mask[:, :6])
+        out, cache = m(x[:, :6], mask[:, :6], cache=m.empty_cache(2))
         outs = [out]
         for t in range(6, 11):
             out, cache = m(x[:, t:t + 1], mask[:, t:t + 1], cache=cache)

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from laminae.primitives import DeviceError, DTypeError, ShapeError
-from laminae.primitives.mom_read import MoMRead, MoMReadState, collect_mom_aux_loss, mom_read_reference
+from laminae.primitives.mom_read import MoMRead, collect_mom_aux_loss, mom_read_reference
 from laminae.triton_ops._parity import parity
 from laminae.triton_ops.mom_read import MoMTiles, mom_read, mom_read_fwd, pair_schedule, tour_case
 
@@ -200,7 +200,7 @@ def test_module_backends_agree_in_training_including_parameter_and_aux_grads():
         bank = torch.nn.Parameter(MoMRead.init_bank(6, 4, 32, std=0.5).to(DEVICE))
         x = x0.clone().requires_grad_(True)
         torch.manual_seed(1)  # the same Gumbel draw for both backends
-        y, _ = m(x, bank)
+        y, _ = m(x, M_blocks=bank)
         loss = (y * torch.linspace(-1, 1, y.numel(), device=DEVICE).view_as(y)).sum()
         loss = loss + 0.01 * collect_mom_aux_loss([m])
         grads = torch.autograd.grad(loss, [x, bank, *m.parameters()])
@@ -218,14 +218,14 @@ def test_module_decode_with_triton_matches_full_forward():
     bank = torch.randn(6, 4 * 32, device=DEVICE)
     x = torch.randn(2, 12, 32, device=DEVICE)
     with torch.no_grad():
-        full, _ = m(x, bank)
-        out, state = m(x[:, :4], bank, cache=None)
+        full, _ = m(x, M_blocks=bank)
+        out, state = m(x[:, :4], cache=m.empty_cache(x.shape[0]), M_blocks=bank)
         outs = [out]
         for t in range(4, 12):
-            out, state = m(x[:, t:t + 1], bank, cache=state)
+            out, state = m(x[:, t:t + 1], M_blocks=bank, cache=state)
             outs.append(out)
         m.backend = "reference"
-        reference, _ = m(x, bank)
+        reference, _ = m(x, M_blocks=bank)
     torch.testing.assert_close(full, reference, atol=2e-5, rtol=2e-4)
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=1e-5)
 
@@ -327,5 +327,5 @@ def test_compile_fullgraph_smoke():
     m = MoMRead(512, 8, 512, 64, 2, 32, backend="triton").cuda().eval()
     bank = MoMRead.init_bank(8, 64, 512).cuda()
     x = torch.randn(2, 128, 512, device="cuda")
-    y, _ = torch.compile(m, fullgraph=True)(x, bank)
-    torch.testing.assert_close(y, m(x, bank)[0])
+    y, _ = torch.compile(m, fullgraph=True)(x, M_blocks=bank)
+    torch.testing.assert_close(y, m(x, M_blocks=bank)[0])

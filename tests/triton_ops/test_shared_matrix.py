@@ -93,8 +93,9 @@ def test_weight_gradient_with_m_split_across_programs(masked):
 
 def test_modules_on_triton_backend_match_reference_with_parameter_grads():
     torch.manual_seed(0)
-    for module, call in ((SharedMatrix(70, 50, base_fan_in=10), lambda m, x: m(x, 61, 3.0, output_divisor=4.0)),
-                         (Readout(90, 50, num_scales=3, base_fan_in=10), lambda m, x: m(x, 2.0, 1))):
+    cases = ((SharedMatrix(70, 50, base_fan_in=10), lambda m, x: m(x, rows=61, ratio=3.0, output_divisor=4.0)),
+             (Readout(90, 50, num_scales=3, base_fan_in=10), lambda m, x: m(x, ratio=2.0, scale_index=1)))
+    for module, call in cases:
         module.to(DEVICE)
         with torch.no_grad():
             module.delta.normal_()
@@ -198,10 +199,10 @@ def test_bf16_tier_weight_is_bitwise_the_reference_block():
 def test_compile_fullgraph_and_cuda_autocast():
     m = Readout(1000, 256, num_scales=2, base_fan_in=64).cuda()
     h = torch.randn(4, 64, 192, device="cuda", requires_grad=True)
-    compiled = torch.compile(lambda h: m(h, 3.0, 1), fullgraph=True)
+    compiled = torch.compile(lambda h: m(h, ratio=3.0, scale_index=1), fullgraph=True)
     y = compiled(h)
     y.sum().backward()
-    torch.testing.assert_close(y, m(h, 3.0, 1))
+    torch.testing.assert_close(y, m(h, ratio=3.0, scale_index=1))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         z = SharedMatrix(512, 256, base_fan_in=64).cuda()(h, 500, 3.0)
     assert z.dtype == torch.bfloat16

@@ -12,7 +12,7 @@ from laminae.triton_ops.spelling_bee import _mode_code, spelling_bee, spelling_b
 
 from .._helpers import DEVICE, assert_parity, scales, seeds
 
-GRADS = ["e_tok", "byte_embed"]
+GRADS = ["token_embeddings", "byte_embed"]
 VARIANTS = [("embed", "mean"), ("zero", "mean"), ("embed", "masked_sqrt")]
 
 
@@ -26,8 +26,8 @@ def _inputs(shape, vocab, d, scale, seed, dtype=torch.float32, alphabet=256):
     gen = torch.Generator().manual_seed(seed)
     byte_ids, byte_len = _table(vocab, gen, alphabet=alphabet)
     return {
-        "ids": torch.randint(0, vocab, shape, generator=gen).to(DEVICE),
-        "e_tok": (torch.randn(*shape, d, generator=gen) * scale).to(DEVICE, dtype),
+        "input_ids": torch.randint(0, vocab, shape, generator=gen).to(DEVICE),
+        "token_embeddings": (torch.randn(*shape, d, generator=gen) * scale).to(DEVICE, dtype),
         "byte_embed": (torch.randn(256, d, generator=gen) * scale).to(DEVICE, dtype),
         "byte_ids": byte_ids.to(DEVICE),
         "byte_len": byte_len.to(DEVICE),
@@ -73,13 +73,13 @@ def test_unchecked_out_of_range_ids_give_the_reference_nan_rows():
     kernel as on the reference; the kernel never reads the tables at it, and both
     gradients (½·g for e_tok, nothing for the byte table) match the reference."""
     inp = _inputs((6,), 5, 8, 1.0, 0)
-    inp["ids"] = torch.tensor([-1, 5, 2, 70000, 4, -2**40], device=DEVICE)
+    inp["input_ids"] = torch.tensor([-1, 5, 2, 70000, 4, -2**40], device=DEVICE)
     valid = torch.tensor([False, False, True, False, True, False], device=DEVICE)
     g = torch.randn(6, 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     res = []
     for fn in (spelling_bee, spelling_bee_reference):
-        e_tok, emb = inp["e_tok"].clone().requires_grad_(), inp["byte_embed"].clone().requires_grad_()
-        out = fn(inp["ids"], e_tok, emb, inp["byte_ids"], inp["byte_len"])
+        e_tok, emb = inp["token_embeddings"].clone().requires_grad_(), inp["byte_embed"].clone().requires_grad_()
+        out = fn(inp["input_ids"], e_tok, emb, inp["byte_ids"], inp["byte_len"])
         res.append((out, *torch.autograd.grad(out, [e_tok, emb], g)))
     (out, d_etok, d_emb), (ref, *ref_grads) = res
     assert torch.equal(out.isnan().all(-1), ~valid) and not out[valid].isnan().any()
@@ -94,7 +94,7 @@ def test_module_checked_ids_raise_token_id_error(backend):
     bee = SpellingBeeEmbedding(4, 8, backend=backend, validate_ids=True).to(DEVICE)
     bee.set_byte_table_from_strings([b"a"])
     with pytest.raises(TokenIdError, match=r"\[0, vocab_size=4\), got 4"):
-        bee(torch.tensor([0, 4], device=DEVICE), torch.zeros(2, 8, device=DEVICE))
+        bee(torch.tensor([0, 4], device=DEVICE), token_embeddings=torch.zeros(2, 8, device=DEVICE))
 
 
 def test_backward_is_bitwise_deterministic():
@@ -102,7 +102,7 @@ def test_backward_is_bitwise_deterministic():
     grads = []
     for _ in range(2):
         w = inp["byte_embed"].clone().requires_grad_()
-        out = spelling_bee(inp["ids"], inp["e_tok"], w, inp["byte_ids"], inp["byte_len"])
+        out = spelling_bee(inp["input_ids"], inp["token_embeddings"], w, inp["byte_ids"], inp["byte_len"])
         grads.append(torch.autograd.grad(out, w, torch.ones_like(out))[0])
     assert torch.equal(grads[0], grads[1])
 
@@ -118,13 +118,13 @@ def test_module_backends_agree_and_bake():
     res = []
     for backend in ("reference", "triton"):
         bee.backend = backend
-        out = bee(ids, e_tok)
+        out = bee(ids, token_embeddings=e_tok)
         res.append((out, torch.autograd.grad(out, [e_tok, bee.byte_embed.weight], g)))
     torch.testing.assert_close(res[0][0], res[1][0])
     for a, b in zip(res[0][1], res[1][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     bee.eval().bake_inference_table()
-    torch.testing.assert_close(bee(ids, e_tok), res[1][0])
+    torch.testing.assert_close(bee(ids, token_embeddings=e_tok), res[1][0])
 
 
 def test_module_triton_backend_runs_under_cpu_autocast():
@@ -132,7 +132,7 @@ def test_module_triton_backend_runs_under_cpu_autocast():
     bee.set_byte_table_from_strings([b"ab", b"c"])
     e_tok = torch.randn(2, 8, device=DEVICE, requires_grad=True)
     with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
-        out = bee(torch.tensor([0, 1], device=DEVICE), e_tok)
+        out = bee(torch.tensor([0, 1], device=DEVICE), token_embeddings=e_tok)
     out.sum().backward()
     assert out.dtype == e_tok.dtype and bee.byte_embed.weight.grad is not None
 
@@ -144,7 +144,7 @@ def test_triton_rejects_float64():
     bee = SpellingBeeEmbedding(4, 8, backend="triton").double()
     bee.set_byte_table_from_strings([b"a"])
     with pytest.raises(DTypeError, match="float64"):
-        bee(torch.tensor([0]), torch.zeros(1, 8, dtype=torch.float64))
+        bee(torch.tensor([0]), token_embeddings=torch.zeros(1, 8, dtype=torch.float64))
 
 
 def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
@@ -154,13 +154,13 @@ def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
     bee = SpellingBeeEmbedding(4, 8, backend="triton")
     bee.set_byte_table_from_strings([b"a"])
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
-        bee(torch.tensor([0]), torch.zeros(1, 8))
+        bee(torch.tensor([0]), token_embeddings=torch.zeros(1, 8))
 
 
 def _op_args(n=9, d=12, vocab=7):
     inp = _inputs((n,), vocab, d, 1.0, 2)
     cos, sin = spelling_bee_rotary(d, device=DEVICE)
-    return (inp["ids"], inp["e_tok"].requires_grad_(), inp["byte_embed"].requires_grad_(),
+    return (inp["input_ids"], inp["token_embeddings"].requires_grad_(), inp["byte_embed"].requires_grad_(),
             inp["byte_ids"], inp["byte_len"], cos, sin, _mode_code("embed", "mean"))
 
 
@@ -190,6 +190,6 @@ def test_compile_fullgraph_smoke():
     ids = torch.randint(0, 1000, (4, 64), device="cuda")
     e_tok = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
     compiled = torch.compile(bee, fullgraph=True)
-    out = compiled(ids, e_tok)
+    out = compiled(ids, token_embeddings=e_tok)
     out.sum().backward()
-    torch.testing.assert_close(out, bee(ids, e_tok))
+    torch.testing.assert_close(out, bee(ids, token_embeddings=e_tok))

@@ -1,3 +1,6 @@
+import importlib
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given
@@ -10,6 +13,8 @@ from laminae.triton_ops.stack_memory import (_stack_scan_op, _stack_step_op, sta
                                              supports)
 
 from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
+
+kernels = importlib.import_module("laminae.triton_ops.stack_memory")
 
 read_modes = st.sampled_from(["soft", "released"])
 # (S, d): non-powers of two, the single slot, and the NeoLLM (16, 6) and paper (24, 16) sizes
@@ -42,15 +47,69 @@ def test_step_kernel_matches_reference_fp32(batch, length, heads, size, read_mod
                   output_names=["read", "new_stack", "new_mask", "entropy"])
 
 
-@given(batch=st.integers(1, 2), length=st.integers(1, 5), heads=st.integers(1, 3), size=sizes,
-       read_mode=read_modes, masked=st.booleans(), scale=scales, seed=seeds)
-def test_scan_kernel_matches_reference_fp32(batch, length, heads, size, read_mode, masked, scale, seed):
+SCAN_GRADS = ["logits", "push", "gate", "initial_stack", "initial_mask"]
+SCAN_OUTPUTS = ["read", "entropy", "final_stack", "final_mask"]
+
+
+# Chunks of 1–3 tokens put every chunk boundary of the scan into short sequences:
+# T < chunk, T a multiple of it, and T over several chunks with a ragged last one.
+@given(batch=st.integers(1, 2), length=st.integers(1, 7), heads=st.integers(1, 2), size=sizes,
+       read_mode=read_modes, masked=st.booleans(), chunk=st.sampled_from([1, 2, 3, kernels.SCAN_CHUNK]),
+       scale=scales, seed=seeds)
+def test_scan_kernel_matches_reference_fp32(batch, length, heads, size, read_mode, masked, chunk, scale, seed):
     S, d = size
     inp = _state_inputs(batch, length, heads, S, d, scale, seed, masked=masked, temporal=True)
     inp["read_mode"] = read_mode
-    grads = ["logits", "push", "gate", "initial_stack", "initial_mask"]
-    assert_parity(stack_scan, stack_scan_reference, inp, grads,
-                  output_names=["read", "entropy", "final_stack", "final_mask"])
+    with mock.patch.object(kernels, "SCAN_CHUNK", chunk):
+        assert_parity(stack_scan, stack_scan_reference, inp, SCAN_GRADS, output_names=SCAN_OUTPUTS)
+
+
+def _scan_configurations():
+    """(BLOCK_S, BLOCK_W, num_warps) of every temporal-scan kernel the static cases
+    declare: what the CUDA path can launch."""
+    return sorted({(c.constexprs["BLOCK_S"], c.constexprs["BLOCK_W"], c.num_warps) for c in kernels.static_cases()
+                   if c.name.startswith("stack_scan")})
+
+
+@pytest.mark.parametrize("config, chunk", [(c, 2 + i % 2) for i, c in enumerate(_scan_configurations())],
+                         ids=lambda v: "S{}-W{}-warps{}".format(*v) if isinstance(v, tuple) else f"chunk{v}")
+def test_scan_every_launch_configuration(config, chunk):
+    # the fullest state the launcher maps to this configuration: the most slots, then
+    # the widest head, so the bottom slot and the mask column sit at the tile's edge
+    # where they can
+    S, d = max(((s, d) for s in range(1, 33) for d in range(1, 65)
+                if kernels.supports(s, d, "temporal") and kernels._scan_config(s, d) == config))
+    inp = _state_inputs(2, 5, 1, S, d, 1.0, sum(config), masked=False, temporal=True)
+    # chunks of 2 ([0, 2) [2, 4) [4]) or 3 ([0, 3) [3, 5)): holes at t = 0, on both
+    # sides of every boundary, a wholly padded chunk or a padded last token
+    inp["attention_mask"] = torch.tensor([[0, 1, 0, 0, 1], [1, 0, 1, 1, 0]], dtype=torch.bool, device=DEVICE)
+    inp["read_mode"] = "released" if config[1] == 32 else "soft"
+    with mock.patch.object(kernels, "SCAN_CHUNK", chunk):
+        assert_parity(stack_scan, stack_scan_reference, inp, SCAN_GRADS, output_names=SCAN_OUTPUTS)
+
+
+def test_scan_released_read_at_a_tie():
+    # A full stack that dropped tokens leave as it is: every penalty 10⁹·(1 − M) is 0,
+    # the released read is the gate's softmax and the mask gradient is 10⁹·dscore
+    # (elsewhere dscore vanishes: one slot takes the whole read).
+    inp = _state_inputs(1, 2, 2, 5, 3, 1.0, 0, masked=False, temporal=True)
+    inp["initial_mask"] = torch.ones_like(inp["initial_mask"])
+    inp["attention_mask"] = torch.zeros(1, 2, dtype=torch.bool, device=DEVICE)
+    inp["read_mode"] = "released"
+    with mock.patch.object(kernels, "SCAN_CHUNK", 1):
+        assert_parity(stack_scan, stack_scan_reference, inp, SCAN_GRADS, output_names=SCAN_OUTPUTS)
+    mask = inp["initial_mask"].clone().requires_grad_()
+    read = stack_scan_reference(**dict(inp, initial_mask=mask))[0]
+    (d_mask,) = torch.autograd.grad(read.square().sum(), [mask])
+    assert float(d_mask.abs().max()) > 1e6      # the case really is at a tie
+
+
+def test_scan_serial_steps_at_the_goal_shape():
+    # T = 2048: 64 (chunk summaries) + 31 (combine) + 64 (expansion), against 2,048
+    # steps of the token-serial scan forward and 4,096 backward (rerun + reverse)
+    steps = kernels.scan_serial_steps(2048)
+    assert steps == {"fwd": 159, "bwd": 159}
+    assert 2048 / steps["fwd"] >= 10 and 4096 / steps["bwd"] >= 10
 
 
 def _layer_inputs(B, T, D, H, d, S, mode, seed, masked, bias, scale=1.0):
@@ -98,7 +157,7 @@ def test_module_backends_agree_with_nan_padding_and_state_over_layers():
         state, h = None, x
         for layer in layers:
             layer.backend = backend
-            h, _, state = layer(h, state, keep)
+            h, _, state = layer(h, keep, state=state)
         loss = h.masked_fill(~keep[..., None], 0).square().sum() + layers[0].aux_loss(state)
         params = [p for layer in layers for p in layer.parameters()]
         results.append((h[keep], loss, torch.autograd.grad(loss, [x, *params])))
@@ -114,7 +173,7 @@ def test_temporal_decoding_with_triton_equals_full_forward():
     m = StackMemory(16, stack_d_model=8, num_mem_heads=2, stack_slots=6, mode="temporal", backend="triton").to(DEVICE)
     x = torch.randn(2, 7, 16, device=DEVICE)
     full = m(x).output
-    y, cache, _ = m(x[:, :3], cache=m.allocate_cache(2))
+    y, cache, _ = m(x[:, :3], cache=m.empty_cache(2))
     outs = [y]
     for t in range(3, 7):
         y, cache, _ = m(x[:, t:t + 1], cache=cache)
@@ -125,8 +184,12 @@ def test_temporal_decoding_with_triton_equals_full_forward():
 
 def test_unsupported_sizes_and_dtypes_raise():
     assert supports(16, 6) and supports(24, 16) and not supports(64, 16)
+    assert supports(33, 8) and supports(32, 8, "temporal") and not supports(33, 8, "temporal")
     inp, _ = _layer_inputs(1, 2, 8, 1, 16, 64, "depth", 0, False, False)
     with pytest.raises(ConfigError, match="backend='reference'"):
+        stack_memory(**inp)
+    inp, _ = _layer_inputs(1, 2, 8, 1, 8, 33, "temporal", 0, False, False)
+    with pytest.raises(ConfigError, match="at most 32 stack slots"):
         stack_memory(**inp)
     inp, _ = _layer_inputs(1, 2, 8, 1, 2, 3, "depth", 0, False, False)
     inp["x"] = inp["x"].double()
@@ -154,8 +217,8 @@ def _op_args(temporal):
     keep = torch.ones(N * 4 if temporal else N)
     leaves = [t.to(DEVICE).requires_grad_() for t in (z, p, st, m, g)]
     z, p, st, m, g = leaves
-    if temporal:
-        return (z, p, g, keep.to(DEVICE), st, m, False)
+    if temporal:   # two chunks of two tokens
+        return (z, p, g, keep.to(DEVICE), st, m, False, 2)
     return (z, p, st, m, g, keep.to(DEVICE), False)
 
 

@@ -3,17 +3,17 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
-from laminae.primitives import ConfigError
+from laminae.primitives import ConfigError, ShapeError
 from laminae.primitives.blocks.moe import SparseMoE
 
 
-def loop_reference(moe, x, positions=None):
+def loop_reference(moe, x, position_ids=None):
     """Token by token, slot by slot: what the sort-based dispatch must equal."""
     B, S, H = x.shape
     flat = x.reshape(-1, H)
     E, K, T = moe.num_experts, moe.top_k, flat.shape[0]
     if moe.hash_routing:
-        base = positions.expand(B, S).reshape(-1) if positions is not None else torch.arange(T)
+        base = position_ids.expand(B, S).reshape(-1) if position_ids is not None else torch.arange(T)
         idx = torch.stack([(base + j) % E for j in range(K)], 1)
         w = torch.full((T, K), 1.0 / K)
     else:
@@ -46,7 +46,7 @@ def test_sorted_dispatch_equals_the_loop_forward_and_backward(b, s, e, k, shared
                     normalize_top_k=normalize, routed_scaling_factor=1.5, initializer_range=0.3)
     x = torch.randn(b, s, 6, requires_grad=True)
     pos = torch.arange(3, 3 + s)[None]
-    y, _ = moe(x, pos)
+    y, _ = moe(x, position_ids=pos)
     want = loop_reference(moe, x, pos)
     torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
     g = torch.randn_like(y)
@@ -74,3 +74,8 @@ def test_named_errors():
         SparseMoE(6, 5, 2, 1, scoring="sigmoid")
     with pytest.raises(ValueError, match="x"):
         SparseMoE(6, 5, 2, 1)(torch.randn(2, 3, 5))
+    moe = SparseMoE(6, 5, 2, 1, hash_routing=True)
+    with pytest.raises(ShapeError, match="position_ids"):
+        moe(torch.randn(2, 3, 6), position_ids=torch.arange(4)[None])
+    with pytest.raises(TypeError):                       # position_ids is keyword-only
+        moe(torch.randn(2, 3, 6), torch.arange(3)[None])

@@ -20,6 +20,31 @@ def test_upcast_and_input_dtype_match_their_formulas(rows, dim, scale):
     torch.testing.assert_close(rms_norm(x, w, 1e-6, upcast=False), want)
 
 
+def test_upcast_weight_applies_the_gain_in_fp32_and_rounds_once():
+    x = (torch.randn(4, 64) * 300).bfloat16()
+    w = torch.randn(64).bfloat16()
+    xf = x.float()
+    want = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()).bfloat16()
+    norm = RMSNorm(64, upcast_weight=True).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    assert torch.equal(norm(x), want)
+    # casting back before the gain (Llama) rounds twice: a different answer at bf16
+    assert not torch.equal(rms_norm(x, w, 1e-6, upcast=True), want)
+
+
+@pytest.mark.parametrize("owner", ["hrm", "engram", "siamese"])
+def test_the_mechanisms_norms_are_the_one_rmsnorm_under_the_seeds_names(owner):
+    from laminae.primitives import EngramLayerFusion, HRMRefinementBlock, SiameseNormFinal
+
+    module = {"hrm": lambda: HRMRefinementBlock(8, 4, 2), "engram": lambda: EngramLayerFusion(8, 4),
+              "siamese": lambda: SiameseNormFinal(8)}[owner]()
+    norms = [m for name, m in module.named_children() if name.endswith("norm")]
+    assert norms and all(type(m) is RMSNorm for m in norms)
+    assert all(k.endswith(".weight") for k in module.state_dict() if "norm" in k)
+    assert all(m.upcast == (owner == "siamese") for m in norms)
+
+
 def test_upcast_returns_the_input_dtype_and_normalises_in_fp32():
     x = (torch.randn(4, 64) * 300).bfloat16()
     norm = RMSNorm(64, upcast=True).bfloat16()
@@ -57,5 +82,9 @@ def test_named_errors():
         RMSNorm(10, group_size=4)
     with pytest.raises(ConfigError, match="eps"):
         RMSNorm(10, eps=0)
+    with pytest.raises(ConfigError, match="eps"):
+        RMSNorm(10, eps=float("inf"))
+    with pytest.raises(ConfigError, match="upcast_weight"):
+        RMSNorm(10, upcast=False, upcast_weight=True)
     with pytest.raises(ShapeError, match="dim=10"):
         RMSNorm(10)(torch.randn(2, 9))
