@@ -56,10 +56,6 @@ def _affine_call(module, x, mask, cache):
     return module(q, k, v, mask, cache, x=x)
 
 
-def _empty_cache(module, x):
-    return module.empty_cache(x.shape[0], dtype=x.dtype)
-
-
 BANK = MoMRead.init_bank(4, 2, HIDDEN, generator=torch.Generator().manual_seed(0))
 
 

@@ -91,14 +91,11 @@ class TinyGPT(nn.Module):
             nn.init.normal_(self.down.delta, std=0.1)
 
     def empty_cache(self, batch):
-        """The decoding cache of this model's one token-mixing block (None: the block
-        starts from cache=None)."""
+        """Where decoding starts: the empty cache of this model's one token-mixing block
+        (a memory block or the attention core)."""
         memory = {"engram": "engram", "mom_read": "mom", "memory_caching": "memory"}.get(self.kind)
-        return getattr(self, memory).empty_cache(batch) if memory else None
-
-    def empty_cache(self, batch):
-        """Where decoding starts: the attention core's empty cache (the memory blocks
-        return theirs from the prefill)."""
+        if memory:
+            return getattr(self, memory).empty_cache(batch)
         return self.attn.core.empty_cache(batch) if hasattr(self.attn, "core") else None
 
     def forward(self, tokens, mask=None, cache=None):
