@@ -31,7 +31,7 @@ def qkv(shape, *, mask: bool = True) -> dict:
     if mask:
         keep = torch.ones(b, s, dtype=torch.bool, device=DEVICE)
         keep[0, : s // 8] = False  # one left-padded row
-        out["key_mask"] = keep
+        out["attention_mask"] = keep
     return out
 
 
@@ -49,7 +49,7 @@ def attention_flops(shape, forward_matmuls: float = 2, backward_matmuls: float =
     return {"fwd": forward_matmuls * one, "fwd+bwd": (forward_matmuls + backward_matmuls) * one}
 
 
-def sdpa(q, k, v, key_mask=None, **_):
+def sdpa(q, k, v, attention_mask=None, **_):
     """Causal softmax attention through PyTorch SDPA (flash/cuDNN on GPU), batch-first."""
     h, hkv = q.shape[2], k.shape[2]
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))

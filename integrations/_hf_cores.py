@@ -94,11 +94,11 @@ def build_core(kind: str, *, hidden_size: int, num_heads: int, num_kv_heads: int
 
 
 def _derf(core: DERFAttention, q, k, v, keep):
-    return core(q, k, v, keep)[0]
+    return core(q, k, v, keep).output
 
 
 def _affine(core: AffineScaledAttention, q, k, v, keep, x):
-    return core(x, q, k, v, keep)[0]
+    return core(q, k, v, keep, x=x).output
 
 
 def _elo(core: EloAttention, q, k, v, keep, cache):
@@ -109,20 +109,22 @@ def _lucid(core: LucidAttention, q, k, v, keep, cache):
     return core(q, k, v, keep, cache)
 
 
+def _gate(gate: DERFContextGate, y, hidden):
+    return gate(hidden, retrieved=y)
+
+
 def _softmax_xsa(xsa: ExclusiveSelfAttention, q, k, v, keep):
     y = sdpa_core(q, k, v, keep)
     v_new = v[:, k.shape[1] - q.shape[1]:]
     if keep is not None:
         # as GroupedQueryAttention does: XSA reads the values with padding zeroed
         v_new = torch.where(keep[:, -q.shape[1]:, None, None], v_new, torch.zeros_like(v_new))
-    return xsa(y, v_new)
+    return xsa(y, v=v_new)
 
 
 def _empty_cache(core: nn.Module, batch: int, like: torch.Tensor):
-    """The core's empty decoding cache, where the core starts decoding from one
-    (``empty_cache``); otherwise None, and a call without a cache returns the first."""
-    empty = getattr(core, "empty_cache", None)
-    return None if empty is None else empty(batch, dtype=like.dtype, device=like.device)
+    """The core's empty decoding cache, in the dtype and on the device of ``like``."""
+    return core.empty_cache(batch, dtype=like.dtype, device=like.device)
 
 
 # ----------------------------------------------------------------------------
@@ -213,7 +215,7 @@ def attend(kind: str, module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         gate = getattr(module, "laminae_gate", None)
         if gate is not None:
             B, S, H, _ = y.shape
-            y = gate(y.reshape(B, S, H * D), _needs_hidden(hidden, kind)).view(B, S, H, D)
+            y = _gate(gate, y.reshape(B, S, H * D), _needs_hidden(hidden, kind)).view(B, S, H, D)
         return y
     if kind == "affine":
         return _affine(core, q, k, v, keep, _needs_hidden(hidden, kind))

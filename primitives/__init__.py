@@ -15,7 +15,7 @@ from .engram import (EngramCache, EngramLayerFusion, EngramModule, MultiHeadHash
 from .hrm_refinement import HRMRefinementBlock, HRMRefinementOutput, hrm_refinement_reference
 from .laurel import LAuReL, LAuReLBlock, laurel_reference
 from .leviathan import LeviathanGenerator, leviathan_reference
-from .lucid_attention import LucidAttention, LucidCache, LucidCacheError, lucid_attention_reference
+from .lucid_attention import LucidAttention, LucidCache, lucid_attention_reference
 from .memory_caching import MemoryCacheBranch, MemoryCachingCache, memory_caching_reference
 from .mom_read import MoMRead, MoMReadCache, mom_read_reference
 from .mosrah import (BottleneckedEnsembleAttention, MoSRAH, MoSRAHCache, MoSRAHOutput, MoSRAHRouter,
@@ -45,7 +45,7 @@ __all__ = [
     "HRMRefinementBlock", "HRMRefinementOutput", "hrm_refinement_reference",
     "LAuReL", "LAuReLBlock", "laurel_reference",
     "LeviathanGenerator", "leviathan_reference",
-    "LucidAttention", "LucidCache", "LucidCacheError", "lucid_attention_reference",
+    "LucidAttention", "LucidCache", "lucid_attention_reference",
     "MemoryCacheBranch", "MemoryCachingCache", "memory_caching_reference",
     "MoMRead", "MoMReadCache", "mom_read_reference",
     "BottleneckedEnsembleAttention", "MoSRAH", "MoSRAHCache", "MoSRAHOutput", "MoSRAHRouter", "mosrah_reference",

@@ -192,8 +192,9 @@ class KVCache(DecodingCache):
 
     ``keys``/``values``: ``[B, length, H_kv, D]`` views; ``keep``: ``[B, length]`` bool,
     or None while no appended chunk came with a padding mask (the kernels then skip
-    the mask); ``length``: tokens held. Start from ``cache=None`` (the module returns
-    a cache) or from ``module.allocate_cache(batch, max_len)`` to preallocate.
+    the mask); ``length``: tokens held; ``batch``, ``dtype``, ``device``: of its
+    storage, fixed when the cache is made. Start one with ``module.empty_cache(batch)``;
+    every call returns a new cache that holds its tokens too.
     """
 
     def __init__(self, buffers: AppendBuffer | None = None, has_mask: bool = False,
@@ -203,29 +204,23 @@ class KVCache(DecodingCache):
         self.config = dict(config or {})
 
     @classmethod
-    def allocate(cls, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-                 **config: Any):
+    def _empty(cls, batch: int, config: Mapping[str, Any], *, dtype: torch.dtype,
+               device: torch.device | str | None, layout: Mapping[str, tuple] | None = None):
+        """An empty cache with storage for a few positions (it doubles when full).
+        ``config`` holds ``num_kv_heads`` and ``head_dim``; ``layout`` adds or overrides
+        per-position buffers, name -> (trailing shape, dtype)."""
         from ._validation import FLOAT_DTYPES, check_positive_int
 
-        for name, value in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):
-            check_positive_int(name, value)
+        check_positive_int("batch", batch)
         if dtype not in FLOAT_DTYPES:
             raise DTypeError(f"`dtype` of a {cls.__name__} must be a float dtype, got {dtype}")
-        tail = (num_kv_heads, head_dim)
-        buffers = AppendBuffer.preallocate(
-            max_len, {"key": (tail, dtype), "value": (tail, dtype), "keep": ((), torch.bool)}, batch, device)
-        return cls(buffers, False, {"num_kv_heads": num_kv_heads, "head_dim": head_dim, **config})
+        tail = (config["num_kv_heads"], config["head_dim"])
+        buffers = {"key": (tail, dtype), "value": (tail, dtype), **(layout or {}), "keep": ((), torch.bool)}
+        return cls(AppendBuffer.preallocate(MIN_CAPACITY, buffers, batch, device), False, config)
 
     @property
     def length(self) -> int:
         return self.buffers.length
-
-    @property
-    def max_len(self) -> int:
-        """Positions the current storage holds before it grows (it doubles when full)."""
-        return self.buffers.capacity
 
     @property
     def keys(self) -> torch.Tensor | None:
@@ -258,14 +253,16 @@ class KVCache(DecodingCache):
         self.buffers = AppendBuffer(self.buffers._storage, 0)  # the next append branches off
         self.has_mask = False
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, **changes: Any):
+    def append(self, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None,
+               extra: Mapping[str, torch.Tensor] | None = None, **changes: Any):
         """A new cache of this class holding these tokens plus ``k``/``v``
-        ``[B, T, H_kv, D]`` and their ``(B, T)`` keep mask; ``changes`` sets other
-        attributes of the new cache. This cache is unchanged."""
+        ``[B, T, H_kv, D]`` and their ``(B, T)`` keep mask (``extra``: a subclass's other
+        per-position tensors); ``changes`` sets other attributes of the new cache. This
+        cache is unchanged."""
         keep_bool = (torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if keep is None
                      else keep.to(device=k.device, dtype=torch.bool))
         new = copy.copy(self)
-        new.buffers = self.buffers.append(key=k, value=v, keep=keep_bool)
+        new.buffers = self.buffers.append(key=k, value=v, keep=keep_bool, **(extra or {}))
         new.has_mask = self.has_mask or keep is not None
         for name, value in changes.items():
             setattr(new, name, value)
@@ -285,3 +282,20 @@ class KVCache(DecodingCache):
         if st is not None and tuple(st.tensors["key"].shape[2:]) != tuple(k.shape[2:]):
             raise ShapeError(f"`cache` holds keys [batch, len, {', '.join(map(str, st.tensors['key'].shape[2:]))}]"
                              f" for {module_name}, this call's k is {tuple(k.shape)}")
+
+
+def cache_placement(module: torch.nn.Module, dtype: torch.dtype | None,
+                    device: torch.device | str | None) -> tuple[torch.dtype, torch.device]:
+    """The dtype and device of an attention cache ``module.empty_cache(batch, dtype=None,
+    device=None)``: those given, else the device of the module's first parameter (the
+    CPU for a module without parameters) and its dtype (float32 without parameters),
+    or, when the cache is made under ``torch.autocast`` for that device, autocast's
+    dtype: the dtype projections give keys and values there."""
+    param = next(module.parameters(), None)
+    device = torch.device(device if device is not None else "cpu" if param is None else param.device)
+    if dtype is None:
+        if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+            dtype = torch.get_autocast_dtype(device.type)
+        else:
+            dtype = torch.float32 if param is None else param.dtype
+    return dtype, device

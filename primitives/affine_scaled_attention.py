@@ -16,7 +16,7 @@ batch mean of α over valid query positions, updated once per training forward
 
 Layout (the toolkit's attention convention): ``q`` ``[B, S, H, D]``, ``k``/``v``
 ``[B, N, H_kv, D]`` with ``N ≥ S``; query i sits at absolute position ``N − S + i``;
-key j is visible to query i iff ``j ≤ N − S + i`` and ``key_mask[b, j]``; query head
+key j is visible to query i iff ``j ≤ N − S + i`` and ``attention_mask[b, j]``; query head
 h reads kv head ``h // (H // H_kv)``.
 """
 from __future__ import annotations
@@ -25,22 +25,13 @@ import math
 import torch
 from torch import nn
 
-from ._attention import visible_keys
+from ._attention import check_attention_inputs, visible_keys
 from ._backend import Backend, check_backend, resolve_backend
-from ._cache import AppendBuffer, KVCache
-from ._errors import ConfigError, ShapeError
-from ._validation import (
-    check_choice,
-    check_has_tokens,
-    check_keep_mask,
-    check_positive_int,
-    check_same_device,
-    check_same_dtype,
-    check_tensor,
-    match_activation_dtypes,
-    without_autocast,
-    zero_padding,
-)
+from ._cache import KVCache, cache_placement
+from ._errors import ConfigError
+from ._outputs import BlockOutput
+from ._validation import (check_choice, check_param_dtype, check_positive_int, check_tensor, without_autocast,
+                          zero_padding)
 
 __all__ = [
     "ACTIVATIONS",
@@ -74,7 +65,7 @@ def affine_scaled_attention_reference(
     v: torch.Tensor,
     alpha: torch.Tensor,
     alpha_ma: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     *,
     upcast: bool = True,
 ) -> torch.Tensor:
@@ -85,7 +76,7 @@ def affine_scaled_attention_reference(
         k, v: ``[B, N, H_kv, D]`` keys and values (``N ≥ S``, ``H % H_kv == 0``).
         alpha: ``[B, S, H]`` per-query, per-head scale α (already activated).
         alpha_ma: ``[H]`` the running mean of α (a buffer; no gradient is expected).
-        key_mask: optional ``(B, N)`` keep mask over keys (bool or 0/1).
+        attention_mask: optional ``(B, N)`` keep mask over keys (bool or 0/1).
         upcast: compute in fp32 and cast back (the ground truth); ``False`` keeps the
             input dtype (the same-dtype eager baseline, and fp64 for gradcheck).
     Returns:
@@ -99,7 +90,7 @@ def affine_scaled_attention_reference(
     kc = k.to(compute).repeat_interleave(group, dim=2)
     vc = v.to(compute).repeat_interleave(group, dim=2)
     scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
-    visible = visible_keys(S, N, key_mask, q.device)                  # [B|1, 1, S, N]
+    visible = visible_keys(S, N, attention_mask, q.device)            # [B|1, 1, S, N]
     any_visible = visible.any(-1, keepdim=True)
     # rows with no visible key get finite scores so softmax stays NaN-free; they are zeroed below
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)
@@ -120,13 +111,15 @@ def affine_scaled_attention_reference(
 class AffineScaledAttentionCache(KVCache):
     """Keys, values and key keep mask of the tokens seen so far (see
     :class:`~laminae.primitives._cache.KVCache`). The running value mean v̄ is
-    recomputed from the cached values at each step. A call never changes the cache
-    it was given.
+    recomputed from the cached values at each step. Made by
+    :meth:`AffineScaledAttention.empty_cache`; a call never changes the cache it was
+    given.
 
     Example::
 
-        out, cache = attn(x_prompt, q, k, v, prompt_mask)        # prefill
-        out, cache = attn(x_next, q1, k1, v1, cache=cache)       # one token at a time
+        cache = attn.empty_cache(batch)
+        out, cache = attn(q, k, v, prompt_mask, cache, x=x_prompt)   # prefill
+        out, cache = attn(q1, k1, v1, cache=cache, x=x_next)         # one token at a time
     """
 
 
@@ -159,13 +152,15 @@ class AffineScaledAttention(nn.Module):
         initializer_range: std of ``alpha_proj.weight`` (0 gives α ≡ 0.5 with linear_clip).
         backend: "auto" | "triton" | "reference".
 
-    ``forward(x, q, k, v, attention_mask=None, cache=None) -> (out, cache)``:
+    ``forward(q, k, v, attention_mask=None, cache=None, *, x) -> BlockOutput(output, cache)``:
 
-    - ``x`` ``[B, S, hidden_size]``, ``q`` ``[B, S, H, D]``.
-    - without a cache: ``k``/``v`` ``[B, N, H_kv, D]`` with ``N ≥ S``; ``attention_mask``
-      is the ``(B, N)`` key keep mask; returns ``(out, None)``.
-    - with an :class:`AffineScaledAttentionCache`: ``k``/``v`` are the S new tokens and
-      ``attention_mask`` their ``(B, S)`` keep mask; they are appended to the cache.
+    - ``q`` ``[B, S, H, D]``; ``x`` ``[B, S, hidden_size]`` (keyword), the normalised
+      hidden state of the S queries, from which α is read.
+    - without a cache (no decoding): ``k``/``v`` ``[B, N, H_kv, D]`` with ``N ≥ S``;
+      ``attention_mask`` is the ``(B, N)`` key keep mask; ``cache`` is None.
+    - with an :class:`AffineScaledAttentionCache` (from :meth:`empty_cache`, then from
+      the previous call): ``k``/``v`` are the new tokens and ``attention_mask`` their
+      ``(B, T)`` keep mask; they are appended to the cache, which is returned.
 
     In training mode the EMA is updated once per call, from α averaged over the batch
     and the valid query positions (the keep mask at the query positions), before the
@@ -177,7 +172,7 @@ class AffineScaledAttention(nn.Module):
     Example::
 
         attn = AffineScaledAttention(512, num_heads=8, num_kv_heads=2, head_dim=64)
-        out, _ = attn(h, q, k, v, attention_mask=keep)
+        out, _ = attn(q, k, v, attention_mask=keep, x=h)
     """
 
     def __init__(
@@ -224,33 +219,13 @@ class AffineScaledAttention(nn.Module):
     def _cache_config(self) -> dict:
         return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
 
-    def allocate_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str | None = None) -> AffineScaledAttentionCache:
-        """An empty cache with room for ``max_len`` tokens (it grows past that by doubling)."""
-        return AffineScaledAttentionCache.allocate(
-            batch, max_len, self.num_kv_heads, self.head_dim, dtype,
-            device if device is not None else self.alpha_ma.device)
-
-    def _check(self, x, q, k, v, attention_mask, cache) -> None:
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        check_tensor("q", q, shape=(None, None, H, D), layout="[batch, seq, num_heads, head_dim]")
-        B, S = q.shape[0], q.shape[1]
-        check_tensor("x", x, shape=(B, S, self.hidden_size), layout="[batch, seq, hidden_size]")
-        kv_layout = "[batch, keys, num_kv_heads, head_dim]"
-        check_tensor("k", k, shape=(B, None, Hkv, D), layout=kv_layout)
-        check_tensor("v", v, shape=(B, k.shape[1], Hkv, D), layout=kv_layout)
-        check_same_dtype(q=q, k=k, v=v)
-        check_same_device(x=x, q=q, k=k, v=v, attention_mask=attention_mask, weight=self.alpha_proj.weight)
-        check_has_tokens("q", q)
-        if cache is not None:
-            if not isinstance(cache, AffineScaledAttentionCache):
-                raise TypeError(f"`cache` must be an AffineScaledAttentionCache or None, got {type(cache).__name__}")
-            cache.check("AffineScaledAttention", self._cache_config(), k)
-        past = 0 if cache is None else cache.length
-        if past + k.shape[1] < S:
-            raise ShapeError(f"`k`/`v` must cover at least the {S} query positions (N >= S), got "
-                             f"{k.shape[1]} new key positions and {past} cached")
-        check_keep_mask("attention_mask", attention_mask, B, k.shape[1])
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> AffineScaledAttentionCache:
+        """An empty decoding cache for ``batch`` sequences, holding keys and values in
+        ``dtype`` on ``device`` (default: the parameters', or autocast's dtype when made
+        under ``torch.autocast``); its storage doubles when full."""
+        dtype, device = cache_placement(self, dtype, device)
+        return AffineScaledAttentionCache._empty(batch, self._cache_config(), dtype=dtype, device=device)
 
     @torch.no_grad()
     def _update_ema(self, alpha: torch.Tensor, query_keep: torch.Tensor | None) -> None:
@@ -275,42 +250,43 @@ class AffineScaledAttention(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: AffineScaledAttentionCache | None = None,
-    ) -> tuple[torch.Tensor, AffineScaledAttentionCache | None]:
-        check_tensor("q", q, ndim=4, layout="[batch, seq, num_heads, head_dim]")
-        check_tensor("k", k, ndim=4, layout="[batch, keys, num_kv_heads, head_dim]")
-        check_tensor("v", v, ndim=4, layout="[batch, keys, num_kv_heads, head_dim]")
-        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
+        *,
+        x: torch.Tensor,
+    ) -> BlockOutput:
+        if cache is not None and not isinstance(cache, AffineScaledAttentionCache):
+            raise TypeError(f"`cache` must be an AffineScaledAttentionCache or None, got {type(cache).__name__}")
+        check_tensor("x", x, ndim=3, layout="[batch, seq, hidden_size]")
+        q, k, v, mask = check_attention_inputs(
+            q, k, v, attention_mask, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, past=0 if cache is None else cache.length, x=x, weight=self.alpha_proj.weight)
+        check_tensor("x", x, shape=(q.shape[0], q.shape[1], self.hidden_size), layout="[batch, seq, hidden_size]")
+        check_param_dtype("x", x, self.alpha_proj.weight)
+        if cache is not None:
+            cache.check("AffineScaledAttention", self._cache_config(), k)
         with without_autocast(q.device.type):
-            return self._forward(x, q, k, v, attention_mask, cache)
+            return self._forward(x, q, k, v, mask, cache)
 
-    def _forward(self, x, q, k, v, attention_mask, cache):
-        self._check(x, q, k, v, attention_mask, cache)
+    def _forward(self, x, q, k, v, mask, cache):
         S = q.shape[1]
-        k, v = zero_padding(attention_mask, k, v)
+        k, v = zero_padding(mask, k, v)
         alpha = affine_alpha(x, self.alpha_proj.weight, self.activation)
         if self.training and (torch.compiler.is_compiling() or not _inside_backward()):
-            query_keep = None if attention_mask is None else attention_mask[:, attention_mask.shape[1] - S:]
+            query_keep = None if mask is None else mask[:, mask.shape[1] - S:]
             self._update_ema(alpha, query_keep)
-        if cache is None:
-            keys, values, key_mask = k, v, attention_mask
-            keep = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if attention_mask is None \
-                else attention_mask.bool()
-            cache = AffineScaledAttentionCache(AppendBuffer.wrap(key=k, value=v, keep=keep),
-                                               attention_mask is not None, self._cache_config())
-        else:
-            cache = cache.append(k, v, attention_mask)
-            keys, values, key_mask = cache.keys, cache.values, cache.keep
+        keys, values = k, v
+        if cache is not None:
+            cache = cache.append(k, v, mask)
+            keys, values, mask = cache.keys, cache.values, cache.keep
         # a snapshot: a later training forward updates the buffer in place, and this
         # call's backward must see the value its forward used
         alpha_ma = self.alpha_ma.clone()
         if resolve_backend(self.backend, q, keys, values) == "triton":
             from laminae.triton_ops.affine_scaled_attention import affine_scaled_attention
 
-            return affine_scaled_attention(q, keys, values, alpha, alpha_ma, key_mask), cache
-        return affine_scaled_attention_reference(q, keys, values, alpha, alpha_ma, key_mask), cache
+            return BlockOutput(affine_scaled_attention(q, keys, values, alpha, alpha_ma, mask), cache)
+        return BlockOutput(affine_scaled_attention_reference(q, keys, values, alpha, alpha_ma, mask), cache)

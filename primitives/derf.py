@@ -29,21 +29,20 @@ kv head ``h // (H // H_kv)``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ._attention import visible_keys
+from ._attention import check_attention_inputs, visible_keys
 from ._backend import Backend, check_backend, resolve_backend
-from ._cache import AppendBuffer, KVCache
-from ._errors import ConfigError, DTypeError, ShapeError
+from ._cache import KVCache, cache_placement
+from ._errors import ConfigError, ShapeError
+from ._outputs import BlockOutput
 from ._validation import (
     check_has_tokens,
-    check_keep_mask,
+    check_param_dtype,
     check_positive_int,
     check_same_device,
-    check_same_dtype,
     check_tensor,
     match_activation_dtypes,
     without_autocast,
@@ -81,7 +80,7 @@ def derf_attention_reference(
     derf_alpha: torch.Tensor,
     derf_bias: torch.Tensor,
     derf_gamma: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     *,
     upcast: bool = True,
 ) -> torch.Tensor:
@@ -91,7 +90,7 @@ def derf_attention_reference(
         q: ``[B, S, H, D]`` queries; query i sits at absolute position ``N − S + i``.
         k, v: ``[B, N, H_kv, D]`` keys and values (``N ≥ S``, ``H % H_kv == 0``).
         derf_alpha, derf_bias, derf_gamma: ``[H]`` per-head erf slope, offset and scale.
-        key_mask: optional ``(B, N)`` keep mask over keys (bool or 0/1).
+        attention_mask: optional ``(B, N)`` keep mask over keys (bool or 0/1).
         upcast: compute in fp32 and cast back (the ground truth); ``False`` keeps the
             input dtype (the same-dtype eager baseline, and fp64 for gradcheck).
     Returns:
@@ -118,7 +117,7 @@ def derf_attention_reference(
     bias = derf_bias.to(compute).view(1, H, 1, 1)
     gamma = derf_gamma.to(compute).view(1, H, 1, 1)
     weights = gamma * _erf_plus_one_half(alpha * scores + bias)
-    visible = visible_keys(S, N, key_mask, q.device)
+    visible = visible_keys(S, N, attention_mask, q.device)
     weights = torch.where(visible, weights, torch.zeros((), dtype=compute, device=q.device))
     weights = weights / (weights.sum(dim=-1, keepdim=True) + DERF_EPS)
     out = torch.einsum("bhsn,bnhd->bshd", weights, vc)
@@ -158,35 +157,15 @@ def check_derf_attention_inputs(
     derf_alpha: torch.Tensor,
     derf_bias: torch.Tensor,
     derf_gamma: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
-    *,
-    mask_name: str = "key_mask",
+    attention_mask: torch.Tensor | None = None,
 ) -> None:
-    """Shapes, dtypes and devices of a DERF attention call (raises ShapeError,
-    DTypeError, DeviceError or ValueError naming the argument)."""
-    check_tensor("q", q, ndim=4, layout="[batch, seq, num_heads, head_dim]")
-    B, S, H, D = q.shape
-    kv_layout = "[batch, keys, num_kv_heads, head_dim]"
-    check_tensor("k", k, ndim=4, layout=kv_layout)
-    check_tensor("v", v, ndim=4, layout=kv_layout)
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ShapeError(f"`k` must be [batch={B}, keys, num_kv_heads, head_dim={D}] {kv_layout}, "
-                         f"got {tuple(k.shape)}")
-    if v.shape != k.shape:
-        raise ShapeError(f"`v` must have the shape of `k` {tuple(k.shape)}, got {tuple(v.shape)}")
-    N, kv_heads = k.shape[1], k.shape[2]
-    if S == 0:
-        raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
-    if kv_heads == 0 or H % kv_heads:
-        raise ShapeError(f"num_kv_heads (dim 2 of `k`) must divide num_heads={H} (dim 2 of `q`), got {kv_heads}")
-    if N < S:
-        raise ShapeError(f"`k`/`v` must cover the {S} query positions and any earlier ones (N >= S), got N={N}")
+    """Shapes, dtypes and devices of a functional DERF attention call (raises ShapeError,
+    DTypeError or DeviceError naming the argument)."""
+    check_attention_inputs(q, k, v, attention_mask, module=False, derf_alpha=derf_alpha,
+                           derf_bias=derf_bias, derf_gamma=derf_gamma)
+    check_has_tokens("q", q)
     for name, p in (("derf_alpha", derf_alpha), ("derf_bias", derf_bias), ("derf_gamma", derf_gamma)):
-        check_tensor(name, p, shape=(H,), layout="[num_heads]")
-    check_same_dtype(q=q, k=k, v=v)
-    check_same_device(q=q, k=k, v=v, derf_alpha=derf_alpha, derf_bias=derf_bias, derf_gamma=derf_gamma,
-                      **{mask_name: key_mask})
-    check_keep_mask(mask_name, key_mask, B, N)
+        check_tensor(name, p, shape=(q.shape[2],), layout="[num_heads]")
 
 
 # ----------------------------------------------------------------------------
@@ -196,14 +175,15 @@ def check_derf_attention_inputs(
 
 class DERFCache(KVCache):
     """Keys, values and key keep mask of the tokens seen so far (see
-    :class:`~laminae.primitives._cache.KVCache`): ``key``/``value`` ``[B, length, H_kv, D]``,
-    ``keep`` ``[B, length]`` or None. Returned by :class:`DERFAttention`; a call never
-    changes the cache it was given, so one cache can be continued several ways.
+    :class:`~laminae.primitives._cache.KVCache`): ``keys``/``values`` ``[B, length, H_kv, D]``,
+    ``keep`` ``[B, length]`` or None. Made by :meth:`DERFAttention.empty_cache`; a call
+    never changes the cache it was given, so one cache can be continued several ways.
 
     Example::
 
-        out, cache = attn(q_prompt, k_prompt, v_prompt, prompt_mask)   # prefill
-        out, cache = attn(q_next, k_next, v_next, cache=cache)          # one token at a time
+        cache = attn.empty_cache(batch)
+        out, cache = attn(q_prompt, k_prompt, v_prompt, prompt_mask, cache)   # prefill
+        out, cache = attn(q_next, k_next, v_next, cache=cache)                 # one token at a time
     """
 
 
@@ -225,24 +205,25 @@ class DERFAttention(nn.Module):
         head_dim: D.
         backend: "auto" | "triton" | "reference".
 
-    ``forward(q, k, v, attention_mask=None, cache=None) -> (out, cache)``:
+    ``forward(q, k, v, attention_mask=None, cache=None) -> BlockOutput(output, cache)``:
 
-    - without a cache: ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` with
-      ``N ≥ S`` (the queries are the last S positions), ``attention_mask`` ``(B, N)``;
-      returns ``(out, None)``.
-    - with a :class:`DERFCache`: ``k``/``v`` are the S new tokens ``[B, S, H_kv, D]``
-      and ``attention_mask`` is their ``(B, S)`` keep mask; they are appended to the
-      cache, the queries attend to everything cached, and the cache is returned.
+    - without a cache (no decoding): ``q`` ``[B, S, H, D]``, ``k``/``v``
+      ``[B, N, H_kv, D]`` with ``N ≥ S`` (the queries are the last S positions),
+      ``attention_mask`` ``(B, N)``; ``cache`` is None.
+    - with a :class:`DERFCache` (from :meth:`empty_cache`, then from the previous
+      call): ``k``/``v`` are the new tokens ``[B, T, H_kv, D]`` and ``attention_mask``
+      their ``(B, T)`` keep mask; they are appended, the queries attend to everything
+      cached, and the new cache is returned.
 
-    ``out`` is ``[B, S, H, D]`` in the dtype of ``q``.
+    ``output`` is ``[B, S, H, D]`` in the dtype of ``q``.
 
     Example::
 
         attn = DERFAttention(num_heads=8, num_kv_heads=2, head_dim=64)
         out, _ = attn(q, k, v, attention_mask=keep)           # training: q, k, v [B, T, ., 64]
 
-        cache = attn.allocate_cache(batch, max_len, dtype=q.dtype)
-        out, cache = attn(q_prompt, k_prompt, v_prompt, prompt_keep, cache=cache)
+        cache = attn.empty_cache(batch)
+        out, cache = attn(q_prompt, k_prompt, v_prompt, prompt_keep, cache)
         out, cache = attn(q_next, k_next, v_next, cache=cache)  # one token: [B, 1, ., 64]
 
     The seed's dropout on the attention weights (training only) is not part of this
@@ -270,11 +251,13 @@ class DERFAttention(nn.Module):
     def _cache_config(self) -> dict:
         return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
 
-    def allocate_cache(self, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-                       device: torch.device | str | None = None) -> DERFCache:
-        """An empty cache with room for ``max_len`` tokens (it grows past that by doubling)."""
-        return DERFCache.allocate(batch, max_len, self.num_kv_heads, self.head_dim, dtype,
-                                  device if device is not None else self.derf_alpha.device)
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> DERFCache:
+        """An empty decoding cache for ``batch`` sequences, holding keys and values in
+        ``dtype`` on ``device`` (default: the parameters', or autocast's dtype when made
+        under ``torch.autocast``); its storage doubles when full."""
+        dtype, device = cache_placement(self, dtype, device)
+        return DERFCache._empty(batch, self._cache_config(), dtype=dtype, device=device)
 
     def forward(
         self,
@@ -283,43 +266,25 @@ class DERFAttention(nn.Module):
         v: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: DERFCache | None = None,
-    ) -> tuple[torch.Tensor, DERFCache]:
+    ) -> BlockOutput:
         params = (self.derf_alpha, self.derf_bias, self.derf_gamma)
-        check_tensor("q", q, shape=(None, None, self.num_heads, self.head_dim),
-                     layout="[batch, seq, num_heads, head_dim]")
-        check_tensor("k", k, shape=(q.shape[0], None, self.num_kv_heads, self.head_dim),
-                     layout="[batch, keys, num_kv_heads, head_dim]")
-        check_tensor("v", v, shape=tuple(k.shape), layout="[batch, keys, num_kv_heads, head_dim]")
-        check_has_tokens("q", q)
-        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
+        if cache is not None and not isinstance(cache, DERFCache):
+            raise TypeError(f"`cache` must be a DERFCache or None, got {type(cache).__name__}")
+        q, k, v, mask = check_attention_inputs(
+            q, k, v, attention_mask, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, past=0 if cache is None else cache.length, derf_alpha=self.derf_alpha)
+        k, v = zero_padding(mask, k, v)
+        keys, values = k, v
         if cache is not None:
-            if not isinstance(cache, DERFCache):
-                raise TypeError(f"`cache` must be a DERFCache or None, got {type(cache).__name__}")
             cache.check("DERFAttention", self._cache_config(), k)
-        past = 0 if cache is None else cache.length
-        if past + k.shape[1] < q.shape[1]:
-            raise ShapeError(f"the {q.shape[1]} queries must be the last of the keys (N >= S): got {k.shape[1]} new "
-                             f"key positions and {past} cached")
-        check_same_device(q=q, k=k, v=v, attention_mask=attention_mask)
-        check_keep_mask("attention_mask", attention_mask, k.shape[0], k.shape[1])
-        k, v = zero_padding(attention_mask, k, v)
-        if cache is None:
-            check_derf_attention_inputs(q, k, v, *params, attention_mask, mask_name="attention_mask")
-            keys, values, key_mask = k, v, attention_mask
-            keep = torch.ones(k.shape[:2], dtype=torch.bool, device=k.device) if attention_mask is None \
-                else attention_mask.bool()
-            cache = DERFCache(AppendBuffer.wrap(key=k, value=v, keep=keep), attention_mask is not None,
-                              self._cache_config())
-        else:
-            cache = cache.append(k, v, attention_mask)
-            keys, values, key_mask = cache.keys, cache.values, cache.keep
-            check_derf_attention_inputs(q, keys, values, *params, None)
+            cache = cache.append(k, v, mask)
+            keys, values, mask = cache.keys, cache.values, cache.keep
         with without_autocast(q.device.type):
             if resolve_backend(self.backend, q, keys, values) == "triton":
                 from laminae.triton_ops.derf import launch_derf_attention
 
-                return launch_derf_attention(q, keys, values, *params, key_mask), cache
-            return derf_attention_reference(q, keys, values, *params, key_mask), cache
+                return BlockOutput(launch_derf_attention(q, keys, values, *params, mask), cache)
+            return BlockOutput(derf_attention_reference(q, keys, values, *params, mask), cache)
 
 
 class DERFContextGate(nn.Module):
@@ -330,13 +295,14 @@ class DERFContextGate(nn.Module):
     the gate nearly closed, ≈ 1e-8·γ) and ``gamma`` (ones), each ``[obs_size]``.
     The projection runs in PyTorch on both backends; the kernel fuses the gate.
 
-    Shapes: ``retrieved`` and ``x`` are ``[..., obs_size]`` with the same shape and
+    ``forward(x, *, retrieved)``: ``x`` (the hidden state the gate reads) and
+    ``retrieved`` (the value it gates) are ``[..., obs_size]`` with the same shape and
     dtype; the output has that shape and dtype.
 
     Example::
 
         gate = DERFContextGate(512)
-        y = gate(memory_read, hidden)
+        y = gate(hidden, retrieved=memory_read)
     """
 
     def __init__(self, obs_size: int, init_bias: float = -4.0, backend: Backend = "auto") -> None:
@@ -354,22 +320,19 @@ class DERFContextGate(nn.Module):
     def extra_repr(self) -> str:
         return f"obs_size={self.obs_size}, backend={self.backend!r}"
 
-    def forward(self, retrieved: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        check_tensor("retrieved", retrieved)
+    def forward(self, x: torch.Tensor, *, retrieved: torch.Tensor) -> torch.Tensor:
         check_tensor("x", x)
+        check_tensor("retrieved", retrieved)
         if retrieved.dim() == 0 or retrieved.shape[-1] != self.obs_size:
             raise ShapeError(
                 f"last dim of `retrieved` must be obs_size={self.obs_size}, got shape {tuple(retrieved.shape)}")
-        check_has_tokens("retrieved", retrieved, None)
         if x.shape != retrieved.shape:
             raise ShapeError(
                 f"`x` must have the shape of `retrieved` {tuple(retrieved.shape)}, got {tuple(x.shape)}")
-        check_same_device(retrieved=retrieved, x=x, weight=self.proj.weight)
-        retrieved, x = match_activation_dtypes(retrieved=retrieved, x=x)
-        if not torch.is_autocast_enabled(retrieved.device.type) and retrieved.dtype != self.proj.weight.dtype:
-            raise DTypeError(
-                f"`retrieved`/`x` dtype must match the module parameters ({self.proj.weight.dtype}) "
-                f"outside autocast, got {retrieved.dtype}")
+        check_has_tokens("x", x, None)
+        check_same_device(x=x, retrieved=retrieved, weight=self.proj.weight)
+        x, retrieved = match_activation_dtypes(x=x, retrieved=retrieved)
+        check_param_dtype("x", x, self.proj.weight)
         logits = self.proj(torch.cat([retrieved, x], dim=-1))
         with without_autocast(retrieved.device.type):
             if resolve_backend(self.backend, retrieved, logits) == "triton":

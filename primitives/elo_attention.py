@@ -33,22 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._attention import visible_keys
+from ._attention import check_attention_inputs, visible_keys
 from ._backend import Backend, check_backend, resolve_backend
-from ._cache import AppendBuffer, KVCache
+from ._cache import KVCache, cache_placement
 from ._errors import ConfigError, ShapeError
-from ._validation import (
-    check_has_tokens,
-    check_keep_mask,
-    check_positive_float,
-    check_positive_int,
-    check_same_device,
-    check_same_dtype,
-    check_tensor,
-    match_activation_dtypes,
-    without_autocast,
-    zero_padding,
-)
+from ._outputs import BlockOutput
+from ._validation import (check_has_tokens, check_positive_float, check_positive_int, check_tensor, without_autocast,
+                          zero_padding)
 
 __all__ = [
     "ELO_K_INIT",
@@ -64,9 +55,6 @@ __all__ = [
 # is this toolkit's default. Pass ``elo_k_init`` to match a checkpoint's config.
 ELO_K_INIT = 1.0
 
-_Q_LAYOUT = "[batch, seq, num_heads, head_dim]"
-_KV_LAYOUT = "[batch, keys, num_kv_heads, head_dim]"
-
 
 def elo_log_k_init(k_init: float) -> float:
     """The ``elo_log_k`` value whose softplus is ``k_init``: log(expm1(k_init))."""
@@ -80,28 +68,15 @@ def check_elo_attention_inputs(
     elo_log_k: torch.Tensor,
     elo_gain: torch.Tensor,
     prior_rating: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> None:
-    """Shapes, dtypes and devices of an Elo attention call (raises ShapeError,
-    DTypeError, DeviceError or ValueError naming the argument)."""
-    check_tensor("q", q, ndim=4, layout=_Q_LAYOUT)
-    B, S, H, D = q.shape
-    check_tensor("k", k, ndim=4, layout=_KV_LAYOUT)
-    check_tensor("v", v, ndim=4, layout=_KV_LAYOUT)
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ShapeError(f"`k` must be [batch={B}, keys, num_kv_heads, head_dim={D}] {_KV_LAYOUT}, "
-                         f"got {tuple(k.shape)}")
-    if v.shape != k.shape:
-        raise ShapeError(f"`v` must have the shape of `k` {tuple(k.shape)}, got {tuple(v.shape)}")
-    N, kv_heads = k.shape[1], k.shape[2]
-    if S == 0:
-        raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
-    if D == 0:
-        raise ShapeError(f"`q` must have head_dim >= 1, got shape {tuple(q.shape)}")
-    if kv_heads == 0 or H % kv_heads:
-        raise ShapeError(f"num_kv_heads (dim 2 of `k`) must divide num_heads={H} (dim 2 of `q`), got {kv_heads}")
-    if N < S:
-        raise ShapeError(f"`k`/`v` must cover the {S} query positions and any earlier ones (N >= S), got N={N}")
+    """Shapes, dtypes and devices of a functional Elo attention call (raises ShapeError,
+    DTypeError or DeviceError naming the argument)."""
+    check_attention_inputs(q, k, v, attention_mask, module=False, elo_log_k=elo_log_k,
+                           elo_gain=elo_gain, prior_rating=prior_rating)
+    check_has_tokens("q", q)
+    B, _, H, _ = q.shape
+    N = k.shape[1]
     check_tensor("elo_log_k", elo_log_k, shape=(H,), layout="[num_heads]")
     check_tensor("elo_gain", elo_gain, shape=(H,), layout="[num_heads]")
     if prior_rating is not None:
@@ -109,10 +84,6 @@ def check_elo_attention_inputs(
         if prior_rating.shape[0] != B or prior_rating.shape[1] != H or prior_rating.shape[2] > N:
             raise ShapeError(f"`prior_rating` must be [batch={B}, num_heads={H}, P] with P <= keys={N} "
                              f"(ratings of the first P keys), got {tuple(prior_rating.shape)}")
-    check_same_dtype(q=q, k=k, v=v)
-    check_same_device(q=q, k=k, v=v, elo_log_k=elo_log_k, elo_gain=elo_gain, prior_rating=prior_rating,
-                      key_mask=key_mask)
-    check_keep_mask("key_mask", key_mask, B, N)
 
 
 def rating_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -145,7 +116,7 @@ def elo_attention_reference(
     elo_log_k: torch.Tensor,
     elo_gain: torch.Tensor,
     prior_rating: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     *,
     upcast: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,14 +129,14 @@ def elo_attention_reference(
         elo_log_k, elo_gain: ``[H]`` raw parameters (K = softplus, gain = tanh).
         prior_rating: optional ``[B, H, P]``, ``P ≤ N``: ratings of the first P keys
             carried from earlier calls; later keys start at 0.
-        key_mask: optional ``(B, N)`` 0/1 or bool keep mask.
+        attention_mask: optional ``(B, N)`` 0/1 or bool keep mask.
         upcast: compute in fp32 (fp64 stays fp64) and cast back; ``False`` computes
             in the input dtype (the same-dtype eager baseline).
     Returns:
         ``(out, rating_out)``: out ``[B, S, H, D]`` in q's dtype; rating_out
         ``[B, H, N]`` float32 (float64 for float64 inputs).
     """
-    check_elo_attention_inputs(q, k, v, elo_log_k, elo_gain, prior_rating, key_mask)
+    check_elo_attention_inputs(q, k, v, elo_log_k, elo_gain, prior_rating, attention_mask)
     dtype = q.dtype
     compute = rating_dtype(dtype) if upcast else dtype
     B, S, H, D = q.shape
@@ -174,7 +145,7 @@ def elo_attention_reference(
     kc = k.to(compute).repeat_interleave(group, dim=2)
     vc = v.to(compute).repeat_interleave(group, dim=2)
     scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
-    visible = visible_keys(S, N, key_mask, q.device)
+    visible = visible_keys(S, N, attention_mask, q.device)
     K = F.softplus(elo_log_k.to(compute)).view(1, H, 1, 1)
     gain = torch.tanh(elo_gain.to(compute)).view(1, H, 1, 1)
     prior = full_prior(prior_rating, B, H, N, compute, q.device)
@@ -198,14 +169,11 @@ class EloAttentionCache(KVCache):
     """State carried between calls: every key and value so far ``[B, N, H_kv, D]``,
     their keep mask ``(B, N)`` bool (None = all kept), see
     :class:`~laminae.primitives._cache.KVCache`, and the Elo rating of every key
-    ``rating`` ``[B, H, N]`` (float32; the prior of the next call). A call never changes
-    the cache it was given."""
+    ``rating`` ``[B, H, N]`` (float32; the prior of the next call; None while empty).
+    Made by :meth:`EloAttention.empty_cache`; a call never changes the cache it was
+    given."""
 
     rating: torch.Tensor | None = None
-
-    @property
-    def key_mask(self) -> torch.Tensor | None:
-        return self.keep
 
     def reset(self) -> None:
         super().reset()
@@ -228,15 +196,17 @@ class EloAttention(nn.Module):
     Forward:
         q ``[B, S, H, D]``; k, v ``[B, S, H_kv, D]`` for this call's S tokens;
         attention_mask: optional ``(B, S)`` 0/1 keep mask of this call's tokens;
-        cache: the :class:`EloAttentionCache` returned by the previous call, or None.
-    Returns ``(out [B, S, H, D], cache)``; the new cache holds all keys so far and
-    their ratings.
+        cache: None (no decoding), or the :class:`EloAttentionCache` from
+        :meth:`empty_cache` or from the previous call.
+    Returns ``BlockOutput(output [B, S, H, D], cache)``; the new cache holds all keys so
+    far and their ratings (None without a cache).
 
     Example::
 
         attn = EloAttention(num_heads=8, num_kv_heads=2, head_dim=64)
-        out, cache = attn(q, k, v, attention_mask=keep)          # prefill
-        out1, cache = attn(q1, k1, v1, cache=cache)               # one decoding step
+        out, _ = attn(q, k, v, attention_mask=keep)                   # training
+        out, cache = attn(q, k, v, keep, attn.empty_cache(batch))     # prefill
+        out1, cache = attn(q1, k1, v1, cache=cache)                   # one decoding step
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, elo_k_init: float = ELO_K_INIT,
@@ -264,39 +234,31 @@ class EloAttention(nn.Module):
     def _cache_config(self) -> dict:
         return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
 
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> EloAttentionCache:
+        """An empty decoding cache for ``batch`` sequences, holding keys and values in
+        ``dtype`` on ``device`` (default: the parameters', or autocast's dtype when made
+        under ``torch.autocast``); its storage doubles when full."""
+        dtype, device = cache_placement(self, dtype, device)
+        return EloAttentionCache._empty(batch, self._cache_config(), dtype=dtype, device=device)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: EloAttentionCache | None = None,
-                ) -> tuple[torch.Tensor, EloAttentionCache]:
-        check_tensor("q", q, ndim=4, layout=_Q_LAYOUT)
-        check_tensor("k", k, ndim=4, layout=_KV_LAYOUT)
-        B, S = q.shape[0], q.shape[1]
-        expected_q = (B, S, self.num_heads, self.head_dim)
-        expected_kv = (B, S, self.num_kv_heads, self.head_dim)
-        check_tensor("q", q, shape=expected_q, layout=_Q_LAYOUT)
-        check_has_tokens("q", q)
-        check_tensor("k", k, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
-        check_tensor("v", v, shape=expected_kv, layout=_KV_LAYOUT + " (this call's tokens)")
-        check_same_device(q=q, k=k, v=v, attention_mask=attention_mask)
-        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
-        # the shared helper: an additive 0/-inf mask is refused, never silently inverted
-        check_keep_mask("attention_mask", attention_mask, B, S)
+                ) -> BlockOutput:
+        if cache is not None and not isinstance(cache, EloAttentionCache):
+            raise TypeError(f"`cache` must be an EloAttentionCache or None, got {type(cache).__name__}")
+        q, k, v, mask = check_attention_inputs(
+            q, k, v, attention_mask, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, new_keys_only=True, elo_log_k=self.elo_log_k)
         # a padded query zeroed has a uniform match, so it adds no rating (and its
         # contents, even NaN, cannot reach later queries through the rating)
-        q, k, v = zero_padding(attention_mask, q, k, v)
-        if cache is None:
-            keys, values, mask, prior = k, v, attention_mask, None
-            keep = torch.ones(B, S, dtype=torch.bool, device=k.device) if attention_mask is None \
-                else attention_mask.bool()
-            cache = EloAttentionCache(AppendBuffer.wrap(key=k, value=v, keep=keep), attention_mask is not None,
-                                      self._cache_config())
-        else:
-            if not isinstance(cache, EloAttentionCache):
-                raise TypeError(f"`cache` must be an EloAttentionCache or None, got {type(cache).__name__}")
+        q, k, v = zero_padding(mask, q, k, v)
+        keys, values, prior = k, v, None
+        if cache is not None:
             cache.check("EloAttention", self._cache_config(), k)
             prior = cache.rating
-            cache = cache.append(k, v, attention_mask)
+            cache = cache.append(k, v, mask)
             keys, values, mask = cache.keys, cache.values, cache.keep
-        check_elo_attention_inputs(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
         with without_autocast(q.device.type):
             if resolve_backend(self.backend, q, keys, values) == "triton":
                 from laminae.triton_ops.elo_attention import launch_elo_attention
@@ -304,5 +266,6 @@ class EloAttention(nn.Module):
                 out, rating = launch_elo_attention(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
             else:
                 out, rating = elo_attention_reference(q, keys, values, self.elo_log_k, self.elo_gain, prior, mask)
-        cache.rating = rating.detach()  # the new cache object, not the caller's
-        return out, cache
+        if cache is not None:
+            cache.rating = rating.detach()  # the new cache object, not the caller's
+        return BlockOutput(out, cache)

@@ -696,7 +696,7 @@ class EngramModule(nn.Module):
                                     prefix_mask=None if prefix is None else cache.keep)
         # under autocast the frozen projection runs in bf16: the read joins x in the wider dtype
         x, retrieved = match_activation_dtypes(x=x, retrieved=retrieved)
-        out = self.gate(retrieved, x)
+        out = self.gate(x, retrieved=retrieved)
         if keep is not None:
             (out,) = zero_padding(keep, out)
         return EngramOutput(out, None if cache is None else cache.advance(compressed, self.max_ngram, keep), retrieved)

@@ -16,7 +16,7 @@ Layout is batch-first: ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` w
 decoding after a cache).
 
 Incremental decoding keeps the raw keys, the normalised keys and V′ (not v) in a
-:class:`LucidCache`; a new token's row of L is computed against the cached k̂ and its
+:class:`LucidCache` (from ``module.empty_cache(batch)``); a new token's row of L is computed against the cached k̂ and its
 v′ divided by its own computed diagonal, so prefill followed by one-token steps
 equals the full forward.
 """
@@ -27,12 +27,12 @@ import math
 import torch
 from torch import nn
 
-from ._attention import visible_keys
+from ._attention import check_attention_inputs, visible_keys
 from ._backend import Backend, check_backend, resolve_backend
-from ._cache import AppendBuffer, DecodingCache, check_cache
-from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import (check_has_tokens, check_keep_mask, check_positive_int, check_same_device, check_same_dtype,
-                          check_tensor, match_activation_dtypes, without_autocast, zero_padding)
+from ._cache import KVCache, cache_placement
+from ._errors import ConfigError, DTypeError
+from ._outputs import BlockOutput
+from ._validation import check_positive_int, without_autocast, zero_padding
 
 __all__ = [
     "LUCID_ATTENTION_EPS",
@@ -43,16 +43,10 @@ __all__ = [
     "lucid_extend",
     "check_lucid_inputs",
     "LucidCache",
-    "LucidCacheError",
     "LucidAttention",
 ]
 
 LUCID_ATTENTION_EPS = 1e-6  # the seed's ``lucid_attention_eps``
-
-
-class LucidCacheError(TypeError):
-    """A decode step got a cache that does not hold LUCID's preconditioned values
-    (for instance a plain-attention cache, which holds v instead of v′)."""
 
 
 # ----------------------------------------------------------------------------
@@ -64,20 +58,20 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _keep(key_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    if key_mask is None:
+def _keep(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
+    if attention_mask is None:
         return torch.ones(batch, length, dtype=torch.bool, device=device)
-    return key_mask.to(device).bool()
+    return attention_mask.to(device).bool()
 
 
 def lucid_key_norm(k: torch.Tensor, eps: float = LUCID_ATTENTION_EPS,
-                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """k̂ = k·(mean(k²) + eps)^(-1/2) in fp32 (fp64 for fp64 input); rows whose keep
     mask is 0 are set to 0 (they never enter L, see the padding rule)."""
     kc = k.to(_compute_dtype(k.dtype))
     k_hat = kc * torch.rsqrt(kc.square().mean(-1, keepdim=True) + eps)
-    if key_mask is not None:
-        k_hat = torch.where(key_mask.to(k.device).bool()[:, :, None, None], k_hat, torch.zeros_like(k_hat))
+    if attention_mask is not None:
+        k_hat = torch.where(attention_mask.to(k.device).bool()[:, :, None, None], k_hat, torch.zeros_like(k_hat))
     return k_hat
 
 
@@ -99,12 +93,12 @@ def _lucid_rows(k_hat_rows: torch.Tensor, k_hat_cols: torch.Tensor, keep_rows: t
     return torch.where(unit, torch.ones_like(L), L)
 
 
-def lucid_matrix(k: torch.Tensor, key_mask: torch.Tensor | None = None,
+def lucid_matrix(k: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  eps: float = LUCID_ATTENTION_EPS, *, unit_diagonal: bool = False) -> torch.Tensor:
     """The dense preconditioner L ``[B, H_kv, N, N]`` (fp32/fp64) for keys ``[B, N, H_kv, D]``."""
     batch, length = k.shape[:2]
-    keep = _keep(key_mask, batch, length, k.device)
-    k_hat = lucid_key_norm(k, eps, key_mask)
+    keep = _keep(attention_mask, batch, length, k.device)
+    k_hat = lucid_key_norm(k, eps, attention_mask)
     return _lucid_rows(k_hat, k_hat, keep, keep, 0, unit_diagonal)
 
 
@@ -132,7 +126,7 @@ def lucid_extend(k_hat_cache: torch.Tensor, v_prime_cache: torch.Tensor, keep_ca
     return solved.transpose(1, 2)
 
 
-def lucid_precondition_reference(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
+def lucid_precondition_reference(k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                  eps: float = LUCID_ATTENTION_EPS, *, unit_diagonal: bool = False) -> torch.Tensor:
     """V′ = L⁻¹V ``[B, N, H_kv, D]`` in fp32 (fp64 for fp64 input) by a triangular solve.
 
@@ -140,14 +134,14 @@ def lucid_precondition_reference(k: torch.Tensor, v: torch.Tensor, key_mask: tor
     exactly 1 (the spec's open point 1 alternative; the default keeps the computed one)."""
     batch, length, heads, dim = k.shape
     compute = _compute_dtype(k.dtype)
-    keep = _keep(key_mask, batch, length, k.device)
-    k_hat = lucid_key_norm(k, eps, key_mask)
+    keep = _keep(attention_mask, batch, length, k.device)
+    k_hat = lucid_key_norm(k, eps, attention_mask)
     empty = k_hat.new_zeros(batch, 0, heads, dim)
     return lucid_extend(empty, empty, keep[:, :0], k_hat, v.to(compute), keep, unit_diagonal)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, values: torch.Tensor,
-                      key_mask: torch.Tensor | None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None) -> torch.Tensor:
     """softmax(q·kᵀ/√D + causal/key mask)·values with query i at position N − S + i;
     a query that sees no key returns 0."""
     batch, s_len, heads, dim = q.shape
@@ -155,7 +149,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, values: torch.Tensor,
     kc = k.repeat_interleave(group, dim=2)
     vc = values.repeat_interleave(group, dim=2)
     scores = torch.einsum("bshd,bnhd->bhsn", q, kc) / math.sqrt(dim)
-    visible = visible_keys(s_len, n_len, key_mask, q.device)
+    visible = visible_keys(s_len, n_len, attention_mask, q.device)
     any_visible = visible.any(-1, keepdim=True)
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)
     p = torch.softmax(scores, dim=-1).masked_fill(~visible, 0.0)
@@ -166,7 +160,7 @@ def lucid_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     eps: float = LUCID_ATTENTION_EPS,
     *,
     upcast: bool = True,
@@ -178,7 +172,7 @@ def lucid_attention_reference(
         q: ``[B, S, H, D]`` queries (after RoPE).
         k, v: ``[B, N, H_kv, D]`` keys (the keys the softmax sees) and values, N ≥ S,
             H_kv divides H.
-        key_mask: optional ``(B, N)`` keep mask (1 = real key, 0 = padding).
+        attention_mask: optional ``(B, N)`` keep mask (1 = real key, 0 = padding).
         eps: ``lucid_attention_eps`` of the key RMS norm.
         upcast: attention in fp32 and cast back (the ground truth); ``False`` runs the
             attention in the input dtype (the same-dtype baseline). The key norm, L and
@@ -189,9 +183,9 @@ def lucid_attention_reference(
         ``[B, S, H, D]`` in the dtype of ``q``.
     """
     dtype = q.dtype
-    v_prime = lucid_precondition_reference(k, v, key_mask, eps, unit_diagonal=unit_diagonal)
+    v_prime = lucid_precondition_reference(k, v, attention_mask, eps, unit_diagonal=unit_diagonal)
     compute = _compute_dtype(dtype) if upcast else dtype
-    out = _causal_attention(q.to(compute), k.to(compute), v_prime.to(compute), key_mask)
+    out = _causal_attention(q.to(compute), k.to(compute), v_prime.to(compute), attention_mask)
     return out.to(dtype)
 
 
@@ -206,23 +200,11 @@ def check_lucid_eps(eps: object) -> float:
     return float(eps)
 
 
-def check_lucid_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+def check_lucid_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None,
                        eps: float) -> None:
     """Shapes ``q [B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` with N ≥ S and H_kv | H,
-    one dtype and device, a ``(B, N)`` keep mask, eps ≥ 0."""
-    check_tensor("q", q, ndim=4, layout="[batch, seq, heads, head_dim]")
-    batch, s_len, heads, dim = q.shape
-    check_tensor("k", k, ndim=4, layout="[batch, keys, kv_heads, head_dim]")
-    n_len, kv_heads = k.shape[1], k.shape[2]
-    check_tensor("k", k, shape=(batch, None, None, dim), layout="[batch, keys, kv_heads, head_dim]")
-    check_tensor("v", v, shape=(batch, n_len, kv_heads, dim), layout="[batch, keys, kv_heads, head_dim]")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ShapeError(f"kv heads of `k` ({kv_heads}) must divide the query heads of `q` ({heads})")
-    if n_len < s_len:
-        raise ShapeError(f"`k`/`v` must cover every query position (N >= S), got S={s_len}, N={n_len}")
-    check_same_dtype(q=q, k=k, v=v)
-    check_same_device(q=q, k=k, v=v, key_mask=key_mask)
-    check_keep_mask("key_mask", key_mask, batch, n_len)
+    one dtype and device, a ``(B, N)`` keep mask, eps ≥ 0 (a functional LUCID call)."""
+    check_attention_inputs(q, k, v, attention_mask, module=False)
     check_lucid_eps(eps)
 
 
@@ -231,63 +213,23 @@ def check_lucid_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ma
 # ----------------------------------------------------------------------------
 
 
-class LucidCache(DecodingCache):
-    """What LUCID decoding needs from earlier tokens, per layer.
+class LucidCache(KVCache):
+    """What LUCID decoding needs from earlier tokens, per layer (a
+    :class:`~laminae.primitives._cache.KVCache`):
 
     keys      ``[B, C, H_kv, D]`` raw keys (input dtype), attended by later queries;
-    key_hat   ``[B, C, H_kv, D]`` their RMS-normalised form (fp32/fp64), for new rows of L;
-    v_prime   ``[B, C, H_kv, D]`` preconditioned values V′ (fp32/fp64), **not** v;
-    keep      ``[B, C]`` bool keep mask, or None when every key is kept;
-    eps       the ``lucid_attention_eps`` the cache was built with;
-    unit_diagonal  whether L's diagonal was taken as exactly 1.
+    values    ``[B, C, H_kv, D]`` the preconditioned values V′ (fp32/fp64), **not** v;
+    key_hat   ``[B, C, H_kv, D]`` the keys RMS-normalised (fp32/fp64), for new rows of L;
+    keep      ``[B, C]`` bool keep mask, or None when every key is kept.
 
-    Per-position tensors live in an :class:`~laminae.primitives._cache.AppendBuffer`
-    (amortised O(1) appends, copy-on-branch); a call never changes the cache it was
+    ``config`` records ``lucid_attention_eps`` and ``unit_diagonal`` with the heads.
+    Made by :meth:`LucidAttention.empty_cache`; a call never changes the cache it was
     given. The class itself is the tag: a decode step accepts nothing else, because a
     cache of plain values mixed with LUCID would be silently wrong."""
-
-    def __init__(self, buffers: AppendBuffer | None = None, has_mask: bool = False, eps: float = LUCID_ATTENTION_EPS,
-                 unit_diagonal: bool = False, config: dict | None = None) -> None:
-        self.buffers = buffers if buffers is not None else AppendBuffer()
-        self.has_mask, self.eps, self.unit_diagonal = bool(has_mask), float(eps), bool(unit_diagonal)
-        self.config = dict(config or {})
-
-    @property
-    def length(self) -> int:
-        return self.buffers.length
-
-    @property
-    def seq_len(self) -> int:
-        return self.buffers.length
-
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self.buffers.get("keys")
 
     @property
     def key_hat(self) -> torch.Tensor | None:
         return self.buffers.get("key_hat")
-
-    @property
-    def v_prime(self) -> torch.Tensor | None:
-        return self.buffers.get("v_prime")
-
-    @property
-    def keep(self) -> torch.Tensor | None:
-        return self.buffers.get("keep") if self.has_mask else None
-
-    def keep_mask(self) -> torch.Tensor:
-        return self.buffers.get("keep")
-
-    def reset(self) -> None:
-        self.buffers, self.has_mask = AppendBuffer(self.buffers._storage, 0), False
-
-    def clone(self) -> "LucidCache":
-        return LucidCache(self.buffers.clone(), self.has_mask, self.eps, self.unit_diagonal, self.config)
-
-    def extend(self, keys, key_hat, v_prime, keep, masked: bool) -> "LucidCache":
-        return LucidCache(self.buffers.append(keys=keys, key_hat=key_hat, v_prime=v_prime, keep=keep),
-                          self.has_mask or masked, self.eps, self.unit_diagonal, self.config)
 
 
 # ----------------------------------------------------------------------------
@@ -308,18 +250,20 @@ class LucidAttention(nn.Module):
         unit_diagonal: take L_ii = 1 instead of its computed value exp(s·‖k̂_i‖² − √d)
             (spec open point 1; default False, the recommendation, in prefill and decode).
 
-    ``forward(q, k, v, attention_mask=None, cache=None) -> (out, cache)``:
+    ``forward(q, k, v, attention_mask=None, cache=None) -> BlockOutput(output, cache)``:
     ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, S, H_kv, D]`` for the S tokens of this
     call (the final keys: after RoPE and any other key transform); ``attention_mask``
     an optional ``(B, S)`` keep mask for these tokens (the cache remembers earlier
-    ones). Returns ``out`` ``[B, S, H, D]`` and the :class:`LucidCache` extended by
-    these tokens. Without a cache this is the full (prefill) forward.
+    ones). Returns ``output`` ``[B, S, H, D]`` and, given a :class:`LucidCache` (from
+    :meth:`empty_cache`, then from the previous call), the cache extended by these
+    tokens; without one (no decoding) the cache is None.
 
     Example::
 
         core = LucidAttention(num_heads=8, num_kv_heads=2, head_dim=64)
-        out, cache = core(q, k, v)                  # prefill
-        out1, cache = core(q1, k1, v1, cache=cache)  # one decoding step
+        out, _ = core(q, k, v)                                  # training
+        out, cache = core(q, k, v, cache=core.empty_cache(batch))  # prefill
+        out1, cache = core(q1, k1, v1, cache=cache)             # one decoding step
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -345,94 +289,74 @@ class LucidAttention(nn.Module):
                 f"lucid_attention_eps={self.lucid_attention_eps}, backend={self.backend!r}"
                 + (", unit_diagonal=True" if self.unit_diagonal else ""))
 
-    def _check(self, q, k, v, attention_mask, cache) -> None:
-        check_tensor("q", q, ndim=4, layout="[batch, seq, heads, head_dim]")
-        batch, s_len = q.shape[:2]
-        check_tensor("q", q, shape=(batch, s_len, self.num_heads, self.head_dim),
-                     layout="[batch, seq, num_heads, head_dim]")
-        check_has_tokens("q", q)
-        kv_shape = (batch, s_len, self.num_kv_heads, self.head_dim)
-        check_tensor("k", k, shape=kv_shape, layout="[batch, seq, num_kv_heads, head_dim]")
-        check_tensor("v", v, shape=kv_shape, layout="[batch, seq, num_kv_heads, head_dim]")
-        check_same_dtype(q=q, k=k, v=v)
-        check_same_device(q=q, k=k, v=v, attention_mask=attention_mask)
-        check_keep_mask("attention_mask", attention_mask, batch, s_len)
-        if cache is None:
-            return
-        if not isinstance(cache, LucidCache):
-            raise LucidCacheError(
-                f"`cache` must be a LucidCache (it holds preconditioned values v′), got {type(cache).__name__}; "
-                "a plain-attention cache holds v and cannot be continued with LUCID")
-        if cache.eps != self.lucid_attention_eps:
-            raise ConfigError(f"`cache` was built with lucid_attention_eps={cache.eps}, "
-                              f"this module uses {self.lucid_attention_eps}")
-        if cache.unit_diagonal != self.unit_diagonal:
-            raise ConfigError(f"`cache` was built with unit_diagonal={cache.unit_diagonal}, "
-                              f"this module uses {self.unit_diagonal}")
-        keys = cache.keys
-        check_cache(cache, LucidCache, self._cache_config(), batch=batch, dtype=q.dtype, device=q.device,
-                    cache_batch=None if keys is None else keys.shape[0],
-                    cache_dtype=None if keys is None else keys.dtype,
-                    cache_device=None if keys is None else keys.device)
-        if keys is not None:
-            want = (batch, cache.seq_len, self.num_kv_heads, self.head_dim)
-            for name in ("keys", "key_hat", "v_prime"):
-                check_tensor(f"cache.{name}", getattr(cache, name), shape=want,
-                             dtypes=None, layout="[batch, cached, num_kv_heads, head_dim]")
-
     def _cache_config(self) -> dict:
-        return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+        return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "lucid_attention_eps": self.lucid_attention_eps, "unit_diagonal": self.unit_diagonal}
+
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> LucidCache:
+        """An empty decoding cache for ``batch`` sequences: keys in ``dtype`` (default
+        float32, the core having no parameters, or autocast's dtype when made under
+        ``torch.autocast``), V′ and the normalised keys in fp32 (fp64 for fp64), on
+        ``device`` (default the CPU); its storage doubles when full."""
+        dtype, device = cache_placement(self, dtype, device)
+        tail, compute = (self.num_kv_heads, self.head_dim), _compute_dtype(dtype)
+        return LucidCache._empty(batch, self._cache_config(), dtype=dtype, device=device,
+                                 layout={"value": (tail, compute), "key_hat": (tail, compute)})
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: LucidCache | None = None,
-                ) -> tuple[torch.Tensor, LucidCache]:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            check_tensor(name, t, ndim=4, layout="[batch, seq, heads, head_dim]")
-        q, k, v = match_activation_dtypes(q=q, k=k, v=v)
+                ) -> BlockOutput:
+        if cache is not None and not isinstance(cache, LucidCache):
+            raise TypeError(
+                f"`cache` must be a LucidCache (it holds preconditioned values v′) or None, got "
+                f"{type(cache).__name__}; a plain-attention cache holds v and cannot be continued with LUCID")
+        q, k, v, mask = check_attention_inputs(
+            q, k, v, attention_mask, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, new_keys_only=True)
+        if cache is not None:
+            cache.check("LucidAttention", self._cache_config(), k)
         with without_autocast(q.device.type):
-            return self._forward(q, k, v, attention_mask, cache)
+            return self._forward(q, k, v, mask, cache)
 
-    def _forward(self, q, k, v, attention_mask, cache):
-        self._check(q, k, v, attention_mask, cache)
+    def _forward(self, q, k, v, mask, cache):
         eps, unit = self.lucid_attention_eps, self.unit_diagonal
         use_triton = resolve_backend(self.backend, q, k, v) == "triton"
         if use_triton and q.dtype == torch.float64:
             raise DTypeError("the Triton LUCID kernels support fp32/bf16/fp16; use backend='reference' for fp64")
         batch, s_len = q.shape[:2]
-        k, v = zero_padding(attention_mask, k, v)
-        keep_new = _keep(attention_mask, batch, s_len, q.device)
-        k_hat_new = lucid_key_norm(k, eps, attention_mask)
-        masked = attention_mask is not None
+        k, v = zero_padding(mask, k, v)
 
-        if cache is None or cache.seq_len == 0:
-            keys, key_mask = k, attention_mask
+        if cache is None or cache.length == 0:
+            keys, attend_mask = k, mask
             if use_triton:
                 from laminae.triton_ops.lucid_attention import lucid_precondition
 
-                v_prime = lucid_precondition(k, v, key_mask, eps, unit_diagonal=unit)
+                v_prime = lucid_precondition(k, v, attend_mask, eps, unit_diagonal=unit)
             else:
-                v_prime = lucid_precondition_reference(k, v, key_mask, eps, unit_diagonal=unit)
+                v_prime = lucid_precondition_reference(k, v, attend_mask, eps, unit_diagonal=unit)
             v_prime_all = v_prime
-            new_cache = LucidCache(AppendBuffer.wrap(keys=k, key_hat=k_hat_new, v_prime=v_prime, keep=keep_new),
-                                   masked, eps, unit, self._cache_config())
+            if cache is not None:
+                cache = cache.append(k, v_prime, mask, extra={"key_hat": lucid_key_norm(k, eps, mask)})
         else:
+            keep_new = _keep(mask, batch, s_len, q.device)
+            k_hat_new = lucid_key_norm(k, eps, mask)
             if use_triton:  # the new rows of L against the cache, by kernels (inference only)
                 from laminae.triton_ops.lucid_attention import lucid_precondition_extend
 
-                masked_any = masked or cache.has_mask
-                v_prime = lucid_precondition_extend(cache.keys, cache.v_prime, k, v,
-                                                    cache.keep_mask() if masked_any else None,
-                                                    keep_new if masked_any else None, eps, unit_diagonal=unit)
+                v_prime = lucid_precondition_extend(cache.keys, cache.values, k, v, cache.keep, mask, eps,
+                                                    unit_diagonal=unit)
             else:
-                v_prime = lucid_extend(cache.key_hat, cache.v_prime, cache.keep_mask(), k_hat_new, v, keep_new, unit)
-            new_cache = cache.extend(k, k_hat_new, v_prime, keep_new, masked)
-            keys, v_prime_all, key_mask = new_cache.keys, new_cache.v_prime, new_cache.keep
+                v_prime = lucid_extend(cache.key_hat, cache.values, cache.buffers.get("keep"), k_hat_new, v,
+                                       keep_new, unit)
+            cache = cache.append(k, v_prime, mask, extra={"key_hat": k_hat_new})
+            keys, v_prime_all, attend_mask = cache.keys, cache.values, cache.keep
 
         if use_triton:
             from laminae.triton_ops.lucid_attention import lucid_attend
 
-            out = lucid_attend(q, keys, v_prime_all.to(q.dtype), key_mask)
+            out = lucid_attend(q, keys, v_prime_all.to(q.dtype), attend_mask)
         else:
             compute = _compute_dtype(q.dtype)
-            out = _causal_attention(q.to(compute), keys.to(compute), v_prime_all.to(compute), key_mask).to(q.dtype)
-        return out, new_cache
+            out = _causal_attention(q.to(compute), keys.to(compute), v_prime_all.to(compute), attend_mask).to(q.dtype)
+        return BlockOutput(out, cache)

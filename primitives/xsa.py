@@ -103,7 +103,7 @@ def xsa_reference(
 
 
 class ExclusiveSelfAttention(nn.Module):
-    """XSA as a module: ``y_out = module(y, v)``. Introduces no parameters.
+    """XSA as a module: ``y_out = module(y, v=v)``. Introduces no parameters.
 
     Args:
         num_heads: H, query heads of ``y``.
@@ -121,8 +121,8 @@ class ExclusiveSelfAttention(nn.Module):
     Example::
 
         xsa = ExclusiveSelfAttention(num_heads=8, num_kv_heads=2, head_dim=64)
-        y = attention(q, k, v)          # [B, S, 8, 64], v: [B, S, 2, 64]
-        y = xsa(y, v)
+        y = attention(q, k, v)[0]       # [B, S, 8, 64], v: [B, S, 2, 64]
+        y = xsa(y, v=v)
     """
 
     def __init__(
@@ -149,7 +149,7 @@ class ExclusiveSelfAttention(nn.Module):
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
                 f"mode={self.mode!r}, eps={self.eps}, backend={self.backend!r}")
 
-    def forward(self, y: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, y: torch.Tensor, *, v: torch.Tensor) -> torch.Tensor:
         check_tensor("y", y, ndim=4, layout="(batch, seq, num_heads, head_dim)")
         check_tensor("v", v, ndim=4, layout="(batch, seq, num_kv_heads, head_dim)")
         y, v = match_activation_dtypes(y=y, v=v)

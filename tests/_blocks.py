@@ -48,12 +48,12 @@ class Block:
 
 def _attention_call(module, x, mask, cache):
     q, k, v = _qkv(x)
-    return module(q, k, v, mask, cache=cache)
+    return module(q, k, v, mask, cache)
 
 
 def _affine_call(module, x, mask, cache):
     q, k, v = _qkv(x)
-    return module(x, q, k, v, mask, cache=cache)
+    return module(q, k, v, mask, cache, x=x)
 
 
 BANK = MoMRead.init_bank(4, 2, HIDDEN, generator=torch.Generator().manual_seed(0))
@@ -108,12 +108,16 @@ def _scaled(module):
 
 
 BLOCKS = [
-    Block("derf", lambda be: _scaled(DERFAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_call),
+    Block("derf", lambda be: _scaled(DERFAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_call,
+          start=_empty_cache),
     Block("affine_scaled_attention",
           lambda be: _scaled(AffineScaledAttention(HIDDEN, HEADS, KV_HEADS, HEAD_DIM, alpha_ma_init=0.4,
-                                                   initializer_range=0.3, backend=be)), _affine_call),
-    Block("elo_attention", lambda be: _scaled(EloAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_call),
-    Block("lucid_attention", lambda be: LucidAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be), _attention_call),
+                                                   initializer_range=0.3, backend=be)), _affine_call,
+          start=_empty_cache),
+    Block("elo_attention", lambda be: _scaled(EloAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_call,
+          start=_empty_cache),
+    Block("lucid_attention", lambda be: LucidAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be), _attention_call,
+          start=_empty_cache),
     Block("memory_caching", lambda be: MemoryCacheBranch(HIDDEN, 2, 4, segment_len=3, gate_dim=4, backend=be).eval(),
           _memory_call, start=_empty_cache),
     Block("mom_read", lambda be: _mom(be), _mom_call, start=_empty_cache),

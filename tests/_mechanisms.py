@@ -81,7 +81,7 @@ class _Derf(torch.nn.Module):
         self.gate = DERFContextGate(D, backend=backend)
 
     def forward(self, q, k, v, x):
-        return self.attention(q, k, v)[0], self.gate(x, x.flip(-1))
+        return self.attention(q, k, v)[0], self.gate(x.flip(-1), retrieved=x)
 
 
 def _bee(backend):
@@ -102,9 +102,9 @@ CASES = [
     Case("siamese_norm", _Siamese, lambda b, s: (_x(b, s),), lambda m, x: (m(x),)),
     Case("derf", _Derf, lambda b, s: (*_qkv(b, s), _x(b, s)), lambda m, *a: m(*a)),
     Case("xsa", lambda be: ExclusiveSelfAttention(H, HKV, HD, backend=be), lambda b, s: _qkv(b, s)[::2],
-         lambda m, y, v: (m(y, v),)),
+         lambda m, y, v: (m(y, v=v),)),
     Case("affine_scaled_attention", lambda be: AffineScaledAttention(D, H, HKV, HD, initializer_range=0.3, backend=be),
-         lambda b, s: (_x(b, s), *_qkv(b, s)), lambda m, *a: (m(*a)[0],)),
+         lambda b, s: (_x(b, s), *_qkv(b, s)), lambda m, x, q, k, v: (m(q, k, v, x=x)[0],)),
     Case("elo_attention", lambda be: EloAttention(H, HKV, HD, backend=be), _qkv, lambda m, *a: (m(*a)[0],)),
     Case("lucid_attention", lambda be: LucidAttention(H, HKV, HD, backend=be), _qkv, lambda m, *a: (m(*a)[0],)),
     Case("engram", _Engram, lambda b, s: (_x(b, s),), lambda m, x: m(x)),

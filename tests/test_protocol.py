@@ -179,7 +179,8 @@ def test_linear_appends_reuse_storage_and_double_capacity():
 
 def test_cache_of_another_configuration_is_refused():
     q, k, v = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)
-    _, cache = DERFAttention(2, 1, 8, backend="reference")(q, k, v)
+    derf = DERFAttention(2, 1, 8, backend="reference")
+    _, cache = derf(q, k, v, cache=derf.empty_cache(1))
     with pytest.raises(ConfigError, match="num_kv_heads"):
         DERFAttention(2, 2, 8, backend="reference")(q, torch.randn(1, 3, 2, 8), torch.randn(1, 3, 2, 8),
                                                      cache=cache)
@@ -346,11 +347,11 @@ def test_triton_backend_errors_say_what_to_do(monkeypatch):
     xsa = ExclusiveSelfAttention(2, 1, 4, backend="triton")
     y, v = torch.randn(1, 2, 2, 4, device="meta"), torch.randn(1, 2, 1, 4, device="meta")
     with pytest.raises(BackendUnavailableError, match="meta tensors"):
-        xsa(y, v)
+        xsa(y, v=v)
     common = importlib.import_module("laminae.triton_ops._common")
     monkeypatch.setattr(common, "INTERPRET_AT_IMPORT", False)
     with pytest.raises(BackendUnavailableError, match="before the first import"):
-        xsa(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4))
+        xsa(torch.randn(1, 2, 2, 4), v=torch.randn(1, 2, 1, 4))
 
 
 def test_functional_ops_on_cpu_without_the_interpreter_say_what_to_do(monkeypatch):
@@ -370,7 +371,7 @@ def test_triton_backend_under_torch_compile_on_cpu_is_refused():
     xsa = ExclusiveSelfAttention(2, 1, 4, backend="triton")
     compiled = torch.compile(xsa, backend="eager", fullgraph=True)
     with pytest.raises(Exception, match="torch.compile needs CUDA"):
-        compiled(torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4))
+        compiled(torch.randn(1, 2, 2, 4), v=torch.randn(1, 2, 1, 4))
 
 
 def _data_dependent(graph: torch.fx.GraphModule) -> list[str]:
@@ -396,7 +397,7 @@ def _layer_cases():
     return [
         ("grouped_query_attention", lambda be: GroupedQueryAttention(HIDDEN, 2, 1, 8, core=DERFAttention(2, 1, 8,
                                                                                                      backend=be)),
-         x, lambda m, h: m(h, torch.arange(h.shape[1])[None])),
+         x, lambda m, h: m(h, position_ids=torch.arange(h.shape[1])[None])),
         ("sliding_window_attention", lambda be: SlidingWindowAttention(HIDDEN, 2, 8, window_size=3, backend=be),
          x, lambda m, h: m(h, torch.zeros(h.shape[:2], dtype=torch.long), torch.ones(h.shape[:2], dtype=torch.bool))),
         ("hybrid_attention", hybrid.build, x, lambda m, h: hybrid.call(m, h, None, None)),

@@ -43,15 +43,15 @@ class Attention(nn.Module):
         q = self.q(h).view(*h.shape[:2], H, HD)
         k, v = self.kv(h).view(*h.shape[:2], 2, HKV, HD).unbind(2)
         if self.kind == "affine_scaled_attention":
-            y, cache = self.core(h, q, k, v, mask, cache=cache)
+            y, cache = self.core(q, k, v, mask, cache, x=h)
         elif hasattr(self, "core"):
-            y, cache = self.core(q, k, v, mask, cache=cache)
+            y, cache = self.core(q, k, v, mask, cache)
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k.repeat_interleave(H // HKV, 2).transpose(1, 2),
                                                v.repeat_interleave(H // HKV, 2).transpose(1, 2),
                                                is_causal=True).transpose(1, 2)
             if self.kind == "xsa":
-                y = self.xsa(y, v)
+                y = self.xsa(y, v=v)
         return self.o(y.flatten(2)), cache
 
 
@@ -91,10 +91,12 @@ class TinyGPT(nn.Module):
             nn.init.normal_(self.down.delta, std=0.1)
 
     def empty_cache(self, batch):
-        """The decoding cache of this model's one token-mixing block (None: the block
-        starts from cache=None)."""
+        """Where decoding starts: the empty cache of this model's one token-mixing block
+        (a memory block or the attention core)."""
         memory = {"engram": "engram", "mom_read": "mom", "memory_caching": "memory"}.get(self.kind)
-        return getattr(self, memory).empty_cache(batch) if memory else None
+        if memory:
+            return getattr(self, memory).empty_cache(batch)
+        return self.attn.core.empty_cache(batch) if hasattr(self.attn, "core") else None
 
     def forward(self, tokens, mask=None, cache=None):
         x = self.embed(tokens)

@@ -33,8 +33,9 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from laminae.primitives._errors import DTypeError, ShapeError
-from laminae.primitives._validation import check_tensor
+from laminae.primitives._attention import check_attention_inputs
+from laminae.primitives._errors import DTypeError
+from laminae.primitives._validation import check_has_tokens, check_tensor
 
 from . import _flash
 from ._common import StaticCase, empty
@@ -299,32 +300,27 @@ def affine_scaled_attention(
     v: torch.Tensor,
     alpha: torch.Tensor,
     alpha_ma: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton affine-scaled attention with the signature of
     :func:`laminae.primitives.affine_scaled_attention.affine_scaled_attention_reference`.
 
     ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` (fp32/bf16/fp16, one dtype,
-    ``N ≥ S``, ``D ≤ 256``), ``alpha`` ``[B, S, H]``, ``alpha_ma`` ``[H]``, ``key_mask``
-    ``(B, N)``. Differentiable in q, k, v, alpha and alpha_ma; returns ``[B, S, H, D]``
+    ``N ≥ S``, ``D ≤ 256``), ``alpha`` ``[B, S, H]``, ``alpha_ma`` ``[H]``,
+    ``attention_mask`` ``(B, N)``. Differentiable in q, k, v, alpha and alpha_ma; returns ``[B, S, H, D]``
     in the dtype of ``q``.
     """
     if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise DTypeError(f"Triton affine-scaled attention supports fp32/bf16/fp16 inputs, got {q.dtype}")
-    check_tensor("q", q, ndim=4, layout="[batch, seq, num_heads, head_dim]")
+    check_attention_inputs(q, k, v, attention_mask, module=False, alpha=alpha, alpha_ma=alpha_ma)
+    check_has_tokens("q", q)
     B, S, H, D = q.shape
-    check_tensor("k", k, shape=(B, None, None, D), dtypes=(q.dtype,), layout="[batch, keys, num_kv_heads, head_dim]")
-    check_tensor("v", v, shape=tuple(k.shape), dtypes=(q.dtype,), layout="[batch, keys, num_kv_heads, head_dim]")
     check_tensor("alpha", alpha, shape=(B, S, H), layout="[batch, seq, num_heads]")
     check_tensor("alpha_ma", alpha_ma, shape=(H,), layout="[num_heads]")
-    if key_mask is not None:
-        check_tensor("key_mask", key_mask, shape=(B, k.shape[1]), dtypes=None, layout="(batch, keys)")
-    if S == 0:
-        raise ShapeError(f"`q` must hold at least one query position, got shape {tuple(q.shape)}")
     _flash._check_dims(q, k)
     out, *_ = affine_scaled_attention_fwd(
         q.contiguous(), k.contiguous(), v.contiguous(), alpha.float().contiguous(),
-        alpha_ma.float().contiguous(), _flash.mask_arg(key_mask))
+        alpha_ma.float().contiguous(), _flash.mask_arg(attention_mask))
     return out
 
 
@@ -374,7 +370,7 @@ def tour_case(device: torch.device):
         "v": torch.randn(B, S, HKV, D, generator=gen).to(device),
         "alpha": torch.rand(B, S, H, generator=gen).to(device),
         "alpha_ma": torch.rand(H, generator=gen).to(device),
-        "key_mask": keep.to(device),
+        "attention_mask": keep.to(device),
     }
     return TourCase("affine_scaled_attention (GQA 4/2, ragged mask)", affine_scaled_attention,
                     affine_scaled_attention_reference, inputs, ["q", "k", "v", "alpha"])

@@ -542,33 +542,33 @@ def derf_attention(
     derf_alpha: torch.Tensor,
     derf_bias: torch.Tensor,
     derf_gamma: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton DERF attention, the signature of
     :func:`laminae.primitives.derf.derf_attention_reference` (without ``upcast``).
 
     ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` (N ≥ S, H % H_kv == 0,
     D ≤ 256), fp32/bf16/fp16, one dtype; ``derf_*`` ``[H]`` (any float dtype; the
-    kernel computes in fp32); ``key_mask`` optional ``(B, N)`` 0/1 or bool keep mask.
+    kernel computes in fp32); ``attention_mask`` optional ``(B, N)`` 0/1 or bool keep mask.
     Returns ``[B, S, H, D]`` in the dtype of ``q``. Strided views (e.g. a slice of a
     preallocated cache) are read in place as long as the last dim is contiguous.
 
     Example::
 
-        out = derf_attention(q, k, v, attn.derf_alpha, attn.derf_bias, attn.derf_gamma, key_mask=keep)
+        out = derf_attention(q, k, v, attn.derf_alpha, attn.derf_bias, attn.derf_gamma, attention_mask=keep)
     """
-    check_derf_attention_inputs(q, k, v, derf_alpha, derf_bias, derf_gamma, key_mask)
-    return launch_derf_attention(q, k, v, derf_alpha, derf_bias, derf_gamma, key_mask)
+    check_derf_attention_inputs(q, k, v, derf_alpha, derf_bias, derf_gamma, attention_mask)
+    return launch_derf_attention(q, k, v, derf_alpha, derf_bias, derf_gamma, attention_mask)
 
 
-def launch_derf_attention(q, k, v, derf_alpha, derf_bias, derf_gamma, key_mask=None) -> torch.Tensor:
+def launch_derf_attention(q, k, v, derf_alpha, derf_bias, derf_gamma, attention_mask=None) -> torch.Tensor:
     """:func:`derf_attention` for inputs already validated (``DERFAttention`` checks them)."""
     if q.dtype not in _SUPPORTED:
         raise DTypeError(f"Triton DERF attention supports fp32/bf16/fp16 inputs, got {q.dtype}")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ShapeError(f"Triton DERF attention supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}; "
                          "use backend='reference' for wider heads")
-    mask = None if key_mask is None else key_mask.ne(0).to(torch.uint8)
+    mask = None if attention_mask is None else attention_mask.ne(0).to(torch.uint8)
     out, _, _ = derf_attention_op(q, k, v, derf_alpha.float(), derf_bias.float(), derf_gamma.float(), mask)
     return out
 
@@ -786,7 +786,7 @@ def tour_case(device: torch.device):
         "derf_alpha": (1.0 + 0.5 * torch.randn(H, generator=gen)).to(device),
         "derf_bias": (0.3 * torch.randn(H, generator=gen)).to(device),
         "derf_gamma": (1.0 + 0.2 * torch.randn(H, generator=gen)).to(device),
-        "key_mask": keep.to(device),
+        "attention_mask": keep.to(device),
     }
     rows, feats = 2 * 64, 256
     gate = {
@@ -798,7 +798,7 @@ def tour_case(device: torch.device):
     }
     return [
         TourCase(f"derf attention (B={B}, S=N={S}, H={H}/{kv_heads}, D={D}, ragged mask)", derf_attention,
-                 derf_attention_reference, attn, [n for n in attn if n != "key_mask"]),
+                 derf_attention_reference, attn, [n for n in attn if n != "attention_mask"]),
         TourCase(f"derf context gate ({rows}x{feats})", derf_context_gate, derf_context_gate_reference, gate,
                  list(gate)),
     ]

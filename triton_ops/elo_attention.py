@@ -629,7 +629,7 @@ def elo_attention(
     elo_log_k: torch.Tensor,
     elo_gain: torch.Tensor,
     prior_rating: torch.Tensor | None = None,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton Elo tournament attention, the signature of
     :func:`laminae.primitives.elo_attention.elo_attention_reference` (without ``upcast``).
@@ -637,18 +637,18 @@ def elo_attention(
     ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` (N ≥ S, H % H_kv == 0,
     D ≤ 128), fp32/bf16/fp16, one dtype; ``elo_log_k``/``elo_gain`` ``[H]`` raw
     parameters; ``prior_rating`` optional ``[B, H, P]`` (P ≤ N, the first P keys);
-    ``key_mask`` optional ``(B, N)`` keep mask. Returns ``(out [B, S, H, D]`` in q's
+    ``attention_mask`` optional ``(B, N)`` keep mask. Returns ``(out [B, S, H, D]`` in q's
     dtype, ``rating_out [B, H, N]`` float32), differentiable in every tensor input.
 
     Example::
 
         out, rating = elo_attention(q, k, v, attn.elo_log_k, attn.elo_gain, prior_rating=cache_rating)
     """
-    check_elo_attention_inputs(q, k, v, elo_log_k, elo_gain, prior_rating, key_mask)
-    return launch_elo_attention(q, k, v, elo_log_k, elo_gain, prior_rating, key_mask)
+    check_elo_attention_inputs(q, k, v, elo_log_k, elo_gain, prior_rating, attention_mask)
+    return launch_elo_attention(q, k, v, elo_log_k, elo_gain, prior_rating, attention_mask)
 
 
-def launch_elo_attention(q, k, v, elo_log_k, elo_gain, prior_rating=None, key_mask=None):
+def launch_elo_attention(q, k, v, elo_log_k, elo_gain, prior_rating=None, attention_mask=None):
     """:func:`elo_attention` for inputs already validated (``EloAttention`` checks them)."""
     if q.dtype not in _SUPPORTED:
         raise DTypeError(f"Triton Elo attention supports fp32/bf16/fp16 inputs, got {q.dtype}; "
@@ -661,10 +661,10 @@ def launch_elo_attention(q, k, v, elo_log_k, elo_gain, prior_rating=None, key_ma
     k_factor = torch.nn.functional.softplus(elo_log_k.float())
     gain = torch.tanh(elo_gain.float())
     prior = full_prior(prior_rating, B, H, N, torch.float32, q.device).contiguous()
-    if key_mask is None:
+    if attention_mask is None:
         mask = torch.ones(B, N, dtype=torch.int8, device=q.device)
     else:
-        mask = key_mask.ne(0).to(torch.int8).contiguous()
+        mask = attention_mask.ne(0).to(torch.int8).contiguous()
     out, rating, *_ = elo_attention_op(q.contiguous(), k.contiguous(), v.contiguous(), k_factor, gain, prior, mask)
     return out, rating
 
@@ -722,7 +722,7 @@ def tour_case(device: torch.device):
         "elo_log_k": (0.5 * torch.randn(H, generator=gen)).to(device),
         "elo_gain": (0.6 * torch.randn(H, generator=gen)).to(device),
         "prior_rating": torch.randn(B, H, S, generator=gen).to(device),
-        "key_mask": keep.to(device),
+        "attention_mask": keep.to(device),
     }
     return TourCase(f"elo attention (B={B}, S=N={S}, H={H}/{kv_heads}, D={D}, ragged mask, prior)",
-                    elo_attention, elo_attention_reference, inputs, [n for n in inputs if n != "key_mask"])
+                    elo_attention, elo_attention_reference, inputs, [n for n in inputs if n != "attention_mask"])

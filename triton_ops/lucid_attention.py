@@ -750,7 +750,7 @@ def _preconditioned(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | N
     return vp, (vp if k.dtype == torch.float32 else vp_op)
 
 
-def lucid_precondition(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None,
+def lucid_precondition(k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        eps: float = LUCID_ATTENTION_EPS, *, unit_diagonal: bool = False) -> torch.Tensor:
     """Triton V′ = L⁻¹V with the signature of
     :func:`laminae.primitives.lucid_attention.lucid_precondition_reference`:
@@ -758,18 +758,18 @@ def lucid_precondition(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor 
     _check_triton(k)
     if k.shape[1] == 0:
         return torch.zeros(k.shape, dtype=torch.float32, device=k.device) + 0.0 * (k.sum() + v.sum())
-    return _preconditioned(k, v, key_mask, eps, unit_diagonal)[0]
+    return _preconditioned(k, v, attention_mask, eps, unit_diagonal)[0]
 
 
 def lucid_precondition_extend(k_cache: torch.Tensor, v_prime_cache: torch.Tensor, k: torch.Tensor,
                               v: torch.Tensor, cache_mask: torch.Tensor | None = None,
-                              key_mask: torch.Tensor | None = None, eps: float = LUCID_ATTENTION_EPS, *,
+                              attention_mask: torch.Tensor | None = None, eps: float = LUCID_ATTENTION_EPS, *,
                               unit_diagonal: bool = False) -> torch.Tensor:
     """V′ ``[B, T, H_kv, D]`` (fp32) of T new keys ``k`` and values ``v`` after C cached
     keys ``k_cache`` (raw, the dtype of k) whose preconditioned values are
     ``v_prime_cache`` (fp32), both ``[B, C, H_kv, D]``: the new rows of L V′ = V, the
     decoding step of :class:`~laminae.primitives.lucid_attention.LucidAttention` on the
-    Triton backend. ``cache_mask`` ``(B, C)`` and ``key_mask`` ``(B, T)`` keep masks.
+    Triton backend. ``cache_mask`` ``(B, C)`` and ``attention_mask`` ``(B, T)`` keep masks.
     Inference only: the backward raises."""
     _check_triton(k)
     B, T, HKV, D = k.shape
@@ -781,30 +781,30 @@ def lucid_precondition_extend(k_cache: torch.Tensor, v_prime_cache: torch.Tensor
     if T == 0:
         return torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     C = k_cache.shape[1]
-    if (cache_mask is None) != (key_mask is None):
+    if (cache_mask is None) != (attention_mask is None):
         cache_mask = torch.ones(B, C, dtype=torch.bool, device=k.device) if cache_mask is None else cache_mask
-        key_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if key_mask is None else key_mask
+        attention_mask = torch.ones(B, T, dtype=torch.bool, device=k.device) if attention_mask is None else attention_mask
     width = storage_dim(D)
     v_prime = _lucid_extend_op(_cache_view(k_cache.to(k.dtype), width), _cache_view(v_prime_cache, width),
                                _mask_arg(cache_mask), _as_launched(k, width), _as_launched(v, width),
-                               _mask_arg(key_mask), D, float(eps), bool(unit_diagonal))
+                               _mask_arg(attention_mask), D, float(eps), bool(unit_diagonal))
     return v_prime[..., :D] if width != D else v_prime
 
 
 def lucid_attend(q: torch.Tensor, k: torch.Tensor, v_prime: torch.Tensor,
-                 key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention of ``q`` ``[B, S, H, D]`` over (``k``, ``v_prime``)
     ``[B, N, H_kv, D]`` (all one dtype), query i at position N − S + i."""
     from ._flash import flash_attention
 
-    return flash_attention(q, k, v_prime, key_mask)
+    return flash_attention(q, k, v_prime, attention_mask)
 
 
 def lucid_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    key_mask: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
     eps: float = LUCID_ATTENTION_EPS,
     *,
     upcast: bool = True,
@@ -814,16 +814,16 @@ def lucid_attention(
     :func:`laminae.primitives.lucid_attention.lucid_attention_reference`.
 
     ``q`` ``[B, S, H, D]``, ``k``/``v`` ``[B, N, H_kv, D]`` (fp32/bf16/fp16, N ≥ S),
-    ``key_mask`` an optional ``(B, N)`` keep mask. Returns ``[B, S, H, D]`` in the input
+    ``attention_mask`` an optional ``(B, N)`` keep mask. Returns ``[B, S, H, D]`` in the input
     dtype. ``upcast`` is accepted for interchangeability: the kernels always
     accumulate in fp32; the attention reads V′ in the input dtype, written by the
     substitution itself."""
-    check_lucid_inputs(q, k, v, key_mask, eps)
+    check_lucid_inputs(q, k, v, attention_mask, eps)
     _check_triton(q)
     if q.shape[1] == 0:
         return torch.zeros_like(q) + 0.0 * (k.sum() + v.sum())
-    _, v_prime = _preconditioned(k, v, key_mask, eps, unit_diagonal)
-    return lucid_attend(q, k, v_prime, key_mask)
+    _, v_prime = _preconditioned(k, v, attention_mask, eps, unit_diagonal)
+    return lucid_attend(q, k, v_prime, attention_mask)
 
 
 # ----------------------------------------------------------------------------
@@ -910,7 +910,7 @@ def tour_case(device: torch.device):
         "q": torch.randn(B, S, H, D, generator=gen).to(device),
         "k": torch.randn(B, S, HKV, D, generator=gen).to(device),
         "v": torch.randn(B, S, HKV, D, generator=gen).to(device),
-        "key_mask": keep.to(device),
+        "attention_mask": keep.to(device),
     }
     return TourCase("lucid_attention (GQA 4/2, D=32, ragged)", lucid_attention, lucid_attention_reference,
                     inputs, ["q", "k", "v"])

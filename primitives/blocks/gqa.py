@@ -23,11 +23,12 @@ layers by a softmax over depth of q·k, gated by ``tanh(depth_gate)`` (zero-init
 mixed values are what the cache stores. Sources are passed in and the layer's own
 entry is returned (:class:`AttentionOutput`), so nothing is stashed on the module.
 
-Decoding: ``forward(..., cache=None) -> (out, cache, depth_entry)`` returns a *new*
-cache holding this call's keys/values too; the one passed in still describes the old
-prefix, so two different continuations of one cache (beam search) are both right.
-Buffers grow by doubling; a continuation that does not extend the longest branch of a
-buffer copies it first (``AppendBuffer``).
+Decoding: start from ``block.empty_cache(batch)``; ``forward(..., cache=cache) ->
+AttentionOutput(output, cache, depth_entry)`` returns a *new* cache holding this call's
+keys/values too; the one passed in still describes the old prefix, so two different
+continuations of one cache (beam search) are both right. ``cache=None`` means no
+decoding (the returned cache is None). Buffers grow by doubling; a continuation that
+does not extend the longest branch of a buffer copies it first (``AppendBuffer``).
 """
 from __future__ import annotations
 
@@ -42,9 +43,10 @@ from torch import nn
 
 from .._attention import visible_keys
 from .._backend import Backend, check_backend
-from .._cache import AppendBuffer, DecodingCache, KVCache
-from .._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from .._validation import FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_positive_int, check_tensor
+from .._cache import DecodingCache, KVCache, cache_placement
+from .._errors import ConfigError, ShapeError
+from .._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_param_dtype, check_positive_int,
+                           check_same_device, check_tensor, zero_padding)
 from .norms import RMSNorm
 from .rotary import RotaryEmbedding
 
@@ -56,17 +58,17 @@ __all__ = ["KVCache", "AttentionOutput", "GroupedQueryAttention", "sdpa_core", "
 # ----------------------------------------------------------------------------
 
 
-def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+def sdpa_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0) -> torch.Tensor:
-    """Causal softmax attention; q ``[B, S, H, D]`` are the last S of N keys ``[B, N, H_kv, D]``.
-    Queries that see no key (padding) return 0."""
+    """Causal softmax attention; q ``[B, S, H, D]`` are the last S of N keys ``[B, N, H_kv, D]``,
+    ``attention_mask`` their ``(B, N)`` keep mask. Queries that see no key (padding) return 0."""
     S, N = q.shape[1], k.shape[1]
     qh = rearrange(q, "b s h d -> b h s d")
     kh, vh = (rearrange(t, "b n h d -> b h n d") for t in (k, v))
-    if key_mask is None and S == N:
+    if attention_mask is None and S == N:
         y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, dropout_p=dropout_p, enable_gqa=True)
         return rearrange(y, "b h s d -> b s h d")
-    visible = visible_keys(S, N, key_mask, q.device)                     # [B|1, 1, S, N]
+    visible = visible_keys(S, N, attention_mask, q.device)               # [B|1, 1, S, N]
     seen = visible.any(-1, keepdim=True)
     y = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=visible | ~seen, dropout_p=dropout_p,
                                        enable_gqa=True)
@@ -108,7 +110,7 @@ def depth_mix_values(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 class AttentionOutput(NamedTuple):
     output: torch.Tensor                                     # [B, S, hidden]
-    cache: DecodingCache                                     # holds this call's tokens too
+    cache: DecodingCache | None                              # holds this call's tokens too; None: no decoding
     depth_entry: tuple[torch.Tensor, torch.Tensor] | None    # this layer's (k, v) for later layers
 
 
@@ -138,15 +140,19 @@ class GroupedQueryAttention(nn.Module):
         initializer_range: N(0, σ²) init of the projections (None: nn.Linear default).
         backend: forwarded to XSA (cores carry their own ``backend``).
 
-    ``forward(x [B, S, hidden], positions [B|1, S], attention_mask=None (B, S) keep mask
-    of this call's tokens, cache=None, depth_sources=()) -> AttentionOutput``.
+    ``forward(x [B, S, hidden], attention_mask=None, cache=None, *, position_ids [B|1, S],
+    depth_sources=()) -> AttentionOutput(output, cache, depth_entry)``: ``attention_mask``
+    is the ``(B, S)`` keep mask of this call's tokens; ``cache`` None (no decoding; the
+    returned cache is None) or the cache from :meth:`empty_cache`, then from the previous
+    call.
 
     Example::
 
         attn = GroupedQueryAttention(512, 8, 2, 64, rope=RotaryEmbedding(64))
-        out, _, _ = attn(x, positions)                                  # training
-        out, cache, _ = attn(x_prompt, pos)                             # prefill
-        out, cache, _ = attn(x_next, pos_next, cache=cache)            # one token
+        out = attn(x, position_ids=pos).output                                  # training
+        cache = attn.empty_cache(batch)
+        out, cache, _ = attn(x_prompt, cache=cache, position_ids=pos)           # prefill
+        out, cache, _ = attn(x_next, cache=cache, position_ids=pos_next)        # one token
     """
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
@@ -210,7 +216,18 @@ class GroupedQueryAttention(nn.Module):
         return (f"hidden_size={self.hidden_size}, num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, core={self.core_kind!r}, xsa={self.use_xsa}")
 
-    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> DecodingCache:
+        """An empty decoding cache for ``batch`` sequences: a :class:`KVCache` for SDPA,
+        the core's own cache otherwise. ``dtype`` defaults to the dtype the projections
+        give the keys: the parameters', or autocast's when made under ``torch.autocast``
+        (make it where the decoding calls run); ``device`` to the parameters'."""
+        dtype, device = cache_placement(self, dtype, device)
+        if self.core_kind != "sdpa":
+            return self.core.empty_cache(batch, dtype=dtype, device=device)
+        return KVCache._empty(batch, self.cache_config, dtype=dtype, device=device)
+
+    def _project(self, x: torch.Tensor, position_ids: torch.Tensor):
         B, S, _ = x.shape
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
         q = q.view(B, S, self.num_heads, self.head_dim)
@@ -220,70 +237,58 @@ class GroupedQueryAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             start = self.head_dim - self.rope.dim
-            q, k = self.rope(q, positions, start), self.rope(k, positions, start)
+            q, k = self.rope(q, position_ids, start), self.rope(k, position_ids, start)
         # under autocast the projections come out in the autocast dtype but the norms
         # promote to their fp32 gains: the core gets one dtype, the projections'
         return q.to(v.dtype), k.to(v.dtype), v
 
-    def _check(self, x, positions, attention_mask, cache) -> None:
+    def _check(self, x, attention_mask, position_ids, cache) -> torch.Tensor | None:
         check_tensor("x", x, ndim=3, dtypes=FLOAT_DTYPES, layout="(batch, seq, hidden)")
         B, S, H = x.shape
         if H != self.hidden_size:
             raise ShapeError(f"`x` must be (batch, seq, {self.hidden_size}), got {tuple(x.shape)}")
         check_has_tokens("x", x)
-        check_tensor("positions", positions, dtypes=None, shape=(None, S), layout="(batch or 1, seq)")
-        check_keep_mask("attention_mask", attention_mask, B, S)
+        check_tensor("position_ids", position_ids, dtypes=None, shape=(None, S), layout="(batch or 1, seq)")
         weight = self.k_proj.weight
-        if x.device != weight.device:
-            raise DeviceError(f"`x` is on {x.device} but the parameters are on {weight.device}")
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise DTypeError(f"`x` dtype ({x.dtype}) must match the parameters ({weight.dtype}) outside autocast")
-        if cache is not None and self.core_kind == "sdpa":
-            if type(cache) is not KVCache:
-                raise TypeError(f"`cache` must be a KVCache (from an SDPA attention block) or None, "
-                                f"got {type(cache).__name__}")
-            cache.check("GroupedQueryAttention", self.cache_config,
-                        torch.empty(B, 0, self.num_kv_heads, self.head_dim, dtype=cache.dtype or x.dtype,
-                                    device=x.device))
+        check_same_device(x=x, parameters=weight)
+        check_param_dtype("x", x, weight)
+        if cache is not None and self.core_kind == "sdpa" and type(cache) is not KVCache:
+            raise TypeError(f"`cache` must be a KVCache (from an SDPA attention block) or None, "
+                            f"got {type(cache).__name__}")
+        return check_keep_mask("attention_mask", attention_mask, B, S)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                cache: DecodingCache | None = None,
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: DecodingCache | None = None, *, position_ids: torch.Tensor,
                 depth_sources: Sequence[tuple[torch.Tensor, torch.Tensor]] = ()) -> AttentionOutput:
-        self._check(x, positions, attention_mask, cache)
+        keep = self._check(x, attention_mask, position_ids, cache)
         B, S, _ = x.shape
-        q, k, v = self._project(x, positions)
+        q, k, v = self._project(x, position_ids)
         if self.depth_gate is not None:
             v = depth_mix_values(q, k, v, depth_sources, self.depth_gate)
         depth_entry = (k, v) if self.depth_source else None
-        keep = None if attention_mask is None else attention_mask.bool()
-        if keep is not None:
-            # padded positions never reach kept ones, even as 0·NaN inside a matmul
-            k = torch.where(keep[..., None, None], k, torch.zeros_like(k))
-            v = torch.where(keep[..., None, None], v, torch.zeros_like(v))
+        # padded positions never reach kept ones, even as 0·NaN inside a matmul
+        k, v = zero_padding(keep, k, v)
         y, new_cache = self._attend(x, q, k, v, keep, cache)
         if self.xsa is not None:
-            y = self.xsa(y, v)
+            y = self.xsa(y, v=v)
         y = y.reshape(B, S, self.num_heads * self.head_dim)
         out = self.o_b_proj(self.o_a_proj(y)) if hasattr(self, "o_a_proj") else self.o_proj(y)
         return AttentionOutput(out, new_cache, depth_entry)
 
     def _attend(self, x, q, k, v, keep, cache):
         kind = self.core_kind
-        if kind == "derf" or kind == "elo" or kind == "lucid":
-            return self.core(q, k, v, attention_mask=keep, cache=cache)
         if kind == "affine":
-            return self.core(x, q, k, v, attention_mask=keep, cache=cache)
-        keys, values, key_mask = k, v, keep
-        if cache is None:
-            fresh_keep = keep if keep is not None else torch.ones(k.shape[:2], dtype=torch.bool, device=k.device)
-            new_cache = KVCache(AppendBuffer.wrap(key=k, value=v, keep=fresh_keep), keep is not None,
-                                self.cache_config)
-        else:
+            return self.core(q, k, v, keep, cache, x=x)
+        if kind != "sdpa":
+            return self.core(q, k, v, keep, cache)
+        keys, values, attend_mask, new_cache = k, v, keep, None
+        if cache is not None:
+            cache.check("GroupedQueryAttention", self.cache_config, k)
             new_cache = cache.append(k, v, keep)
             if cache.length:
                 # with gradients on, the fresh keys keep their graph; the cache holds detached copies
                 keys = torch.cat([cache.keys, k], dim=1) if torch.is_grad_enabled() else new_cache.keys
                 values = torch.cat([cache.values, v], dim=1) if torch.is_grad_enabled() else new_cache.values
-                key_mask = new_cache.keep
-        y = sdpa_core(q, keys, values, key_mask, self.dropout if self.training else 0.0)
+                attend_mask = new_cache.keep
+        y = sdpa_core(q, keys, values, attend_mask, self.dropout if self.training else 0.0)
         return y, new_cache

@@ -71,7 +71,10 @@ BranchCall = Callable[[nn.Module, torch.Tensor, BlockContext, Any], tuple[torch.
 
 
 def _call_attention(module, h, ctx, state):
-    out, cache, entry = module(h, ctx.positions, ctx.attention_mask, cache=state, depth_sources=ctx.depth_sources)
+    if ctx.decoding and state is None:
+        state = module.empty_cache(h.shape[0], device=h.device)
+    out, cache, entry = module(h, ctx.attention_mask, state, position_ids=ctx.positions,
+                               depth_sources=ctx.depth_sources)
     if entry is not None:
         ctx.depth_sources.append(entry)
     return out, (cache if ctx.decoding else None)

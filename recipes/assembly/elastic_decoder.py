@@ -91,7 +91,7 @@ class ElasticAttention(nn.Module):
         self.k_norm = RMSNorm(tiers.hidden_size, eps)
 
     def forward(self, x: torch.Tensor, linear: _TierLinear, cos: torch.Tensor, sin: torch.Tensor,
-                keep: torch.Tensor | None, cache: KVCache | None, signature: tuple):
+                keep: torch.Tensor | None, cache: KVCache | None, signature: tuple, decoding: bool):
         B, S, n = x.shape
         shape = (B, S, n // self.head_dim, self.head_dim)
         gate = linear("attn.gate_proj", self.gate_proj, x).view(shape)
@@ -101,20 +101,21 @@ class ElasticAttention(nn.Module):
                      group_size=self.head_dim).view(shape)
         v = linear("attn.v_proj", self.v_proj, x).view(shape)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        key_mask = keep
-        if cache is not None:
+        attention_mask = keep
+        if decoding:
             # the library's one KV cache (primitives/_cache.py), tied to this tier's signature
-            config = {"signature": signature}
+            config = {"num_kv_heads": k.shape[2], "head_dim": self.head_dim, "signature": signature}
+            if cache is None:
+                cache = KVCache._empty(B, config, dtype=k.dtype, device=k.device)
             cache.check("ElasticAttention", config, k)
-            cache = cache.append(k, v, keep if keep is not None else torch.ones(B, S, dtype=torch.bool,
-                                                                             device=x.device), config=config)
-            k, v, key_mask = cache.keys.to(q.dtype), cache.values.to(q.dtype), cache.keep
-        if cache is None and resolve_backend(self.backend, q) == "triton":
+            cache = cache.append(k, v, keep)
+            k, v, attention_mask = cache.keys.to(q.dtype), cache.values.to(q.dtype), cache.keep
+        if not decoding and resolve_backend(self.backend, q) == "triton":
             from laminae.triton_ops._flash import flash_attention
 
-            y = flash_attention(q, k, v, key_mask)
+            y = flash_attention(q, k, v, attention_mask)
         else:
-            y = sdpa_core(q, k, v, key_mask)
+            y = sdpa_core(q, k, v, attention_mask)
         y = y * torch.sigmoid(gate)
         return linear("attn.o_proj", self.o_proj, y.reshape(B, S, n)), cache
 
@@ -143,10 +144,10 @@ class ElasticLayer(nn.Module):
         self.mlp_norm = RMSNorm(tiers.hidden_size, eps)
         self.mlp = ElasticMLP(tiers, **matrix_kwargs)
 
-    def forward(self, x, linear, cos, sin, keep, cache, signature):
+    def forward(self, x, linear, cos, sin, keep, cache, signature, decoding):
         n = x.shape[-1]
         a, cache = self.attn(rms_norm(x, self.attn_norm.weight[:n], self.eps), linear, cos, sin, keep, cache,
-                             signature)
+                             signature, decoding)
         x = x + a
         return x + self.mlp(rms_norm(x, self.mlp_norm.weight[:n], self.eps), linear), cache
 
@@ -246,8 +247,7 @@ class ElasticCausalLM(nn.Module):
         slots = cache.slots if cache is not None and cache.slots else (None,) * len(self.layers)
         new_slots = []
         for layer, slot in zip(self.layers, slots):
-            x, slot = layer(x, linear, cos, sin, keep,
-                            (slot or KVCache()) if cache is not None else None, sig)
+            x, slot = layer(x, linear, cos, sin, keep, slot, sig, cache is not None)
             new_slots.append(slot)
         h = rms_norm(x, self.norm.weight[:n], self.eps)
         logits = self.lm_head(h, ratio=self.tiers.fan_in_ratio("lm_head", tier),

@@ -75,9 +75,11 @@ class AttentionSublayer(nn.Module):
         inp = h * self.input_scale if self.input_scale != 1.0 else h
         if self.stack is not None:
             inp, _, ctx.stack_state = self.stack(inp, ctx.attention_mask, state=ctx.stack_state)
-        # cache=None is "no history": the block (or its core: LUCID keeps v') returns its own kind
+        # decoding starts from the block's empty cache (its core's own kind: LUCID keeps v')
         cache = ctx.caches_in[self.layer_idx] if ctx.decoding else None
-        out, cache, _ = self.attention(inp, ctx.positions, ctx.attention_mask, cache=cache)
+        if ctx.decoding and cache is None:
+            cache = self.attention.empty_cache(h.shape[0], device=h.device)
+        out, cache, _ = self.attention(inp, ctx.attention_mask, cache, position_ids=ctx.positions)
         ctx.caches_out[self.layer_idx] = cache if ctx.decoding else None
         return out.to(h.dtype)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import inspect
 
 import torch
 import transformers
@@ -61,11 +60,8 @@ def gqa_twin(attn, config, core: str, backend: str) -> GroupedQueryAttention:
 
 
 def run_gqa(gqa: GroupedQueryAttention, x, positions, keep):
-    """``gqa``'s output for hidden ``x``, positions and keep mask, whichever way its
-    forward names the positions (``positions`` second, or the keyword ``position_ids``)."""
-    if "position_ids" in inspect.signature(gqa.forward).parameters:
-        return gqa(x, keep, position_ids=positions)[0]
-    return gqa(x, positions, keep)[0]
+    """``gqa``'s output for hidden ``x``, positions and keep mask."""
+    return gqa(x, keep, position_ids=positions)[0]
 
 
 def run_hf_attention(model, attn, x, positions, padding):

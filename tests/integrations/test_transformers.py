@@ -62,7 +62,7 @@ def test_derf_context_gate_gates_the_attention_read_by_the_hidden_state():
     positions, padding = torch.arange(4, device=DEVICE)[None], left_padding(2, 4, left=1).bool()
     with torch.no_grad():
         ours = run_hf_attention(model, attn, x, positions, padding)
-        theirs = attn.o_proj(attn.laminae_gate(run_gqa(gqa, x, positions, padding), x))
+        theirs = attn.o_proj(attn.laminae_gate(x, retrieved=run_gqa(gqa, x, positions, padding)))
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 

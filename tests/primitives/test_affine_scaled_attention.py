@@ -31,7 +31,7 @@ def _sdpa(q, k, v):
     return out.transpose(1, 2)
 
 
-def _weights(q, k, alpha, alpha_ma, key_mask=None):
+def _weights(q, k, alpha, alpha_ma, attention_mask=None):
     """A recovered from the reference by feeding one-hot values (D = N, one kv head per query head)."""
     B, N, Hkv = k.shape[0], k.shape[1], k.shape[2]
     eye = torch.eye(N, dtype=q.dtype).expand(B, Hkv, N, N).permute(0, 2, 1, 3)
@@ -39,7 +39,7 @@ def _weights(q, k, alpha, alpha_ma, key_mask=None):
     D = q.shape[-1]
     v = torch.zeros(B, N, Hkv, D, dtype=q.dtype)
     v[..., :N] = eye
-    return affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, key_mask)[..., :N]  # [B, S, H, N]
+    return affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, attention_mask)[..., :N]  # [B, S, H, N]
 
 
 # ----------------------------------------------------------------------------
@@ -74,8 +74,8 @@ def test_zero_projection_and_half_alpha_ma_is_half_softmax_attention():
     q, k, v = _qkv()
     x = torch.randn(2, 6, 12)
     assert torch.equal(affine_alpha(x, m.alpha_proj.weight), torch.full((2, 6, 4), 0.5))
-    out, cache = m(x, q, k, v)
-    assert isinstance(cache, AffineScaledAttentionCache) and cache.length == q.shape[1]
+    out, cache = m(q, k, v, x=x)
+    assert cache is None                                      # no cache given: no decoding
     torch.testing.assert_close(out, 0.5 * _sdpa(q, k, v), atol=1e-5, rtol=1e-5)
 
 
@@ -85,16 +85,16 @@ def test_rows_of_A_sum_to_alpha_ma_and_vanish_on_invisible_keys(with_mask):
     q, k, _ = _qkv(B, S, H, H, D=8, N=N)
     alpha = torch.rand(B, S, H)
     alpha_ma = torch.tensor([0.2, 0.7, 1.0])
-    key_mask = torch.rand(B, N) > 0.3 if with_mask else None
+    mask = torch.rand(B, N) > 0.3 if with_mask else None
     if with_mask:
-        key_mask[:, N - S:] = True      # every query sees at least itself
-        key_mask[0, : N - S] = False    # plus a fully masked cache prefix
-    A = _weights(q, k, alpha, alpha_ma, key_mask)
+        mask[:, N - S:] = True      # every query sees at least itself
+        mask[0, : N - S] = False    # plus a fully masked cache prefix
+    A = _weights(q, k, alpha, alpha_ma, mask)
     torch.testing.assert_close(A.sum(-1), alpha_ma.expand(B, S, H), atol=1e-6, rtol=0)
     visible = torch.arange(N)[None, :] <= torch.arange(S)[:, None] + (N - S)
     visible = visible[None].expand(B, S, N)
     if with_mask:
-        visible = visible & key_mask[:, None, :]
+        visible = visible & mask[:, None, :]
     assert torch.all(A.permute(0, 1, 3, 2)[~visible[:, :, :, None].expand(B, S, N, H)] == 0)
 
 
@@ -150,19 +150,19 @@ def test_ema_schedule_and_frozen_in_eval():
     x = torch.randn(2, 6, 12)
     assert torch.equal(m.alpha_ma, torch.zeros(4))
     for n in range(1, 5):
-        m(x, q, k, v)
+        m(q, k, v, x=x)
         torch.testing.assert_close(m.alpha_ma, torch.full((4,), 0.5 * (1 - 0.9**n)))
     torch.testing.assert_close(m.alpha_ma, torch.full((4,), 0.5 * (1 - 0.9**4)))
     m.eval()
     before = m.alpha_ma.clone()
-    m(x, q, k, v)
+    m(q, k, v, x=x)
     assert torch.equal(m.alpha_ma, before)
 
 
 def test_ema_updates_before_use():
     m = _zero_module()
     q, k, v = _qkv()
-    out, _ = m(torch.randn(2, 6, 12), q, k, v)
+    out, _ = m(q, k, v, x=torch.randn(2, 6, 12))
     expected = affine_scaled_attention_reference(q, k, v, torch.full((2, 6, 4), 0.5), torch.full((4,), 0.05))
     torch.testing.assert_close(out, expected)
 
@@ -176,7 +176,7 @@ def test_ema_averages_over_valid_query_positions_per_head():
     x[1, 2, 1] = -0.5           # α head 1 = 0.0 at (1, 2), a masked query
     keep = torch.tensor([[1, 1, 1], [1, 1, 0]])
     q, k, v = _qkv(B=2, S=3, H=2, Hkv=1)
-    m(x, q, k, v, attention_mask=keep)
+    m(q, k, v, attention_mask=keep, x=x)
     torch.testing.assert_close(m.alpha_ma, torch.tensor([(1.0 + 4 * 0.5) / 5, 0.5]))
 
 
@@ -188,7 +188,7 @@ def test_ema_not_updated_twice_under_activation_checkpointing():
         q.requires_grad_(True)
 
         def run(x, q):
-            return m(x, q, k, v)[0]
+            return m(q, k, v, x=x)[0]
 
         out = checkpoint(run, x, q, use_reentrant=use_reentrant)
         torch.testing.assert_close(m.alpha_ma, torch.full((4,), 0.05))
@@ -202,8 +202,8 @@ def test_training_gradients_survive_a_second_forward_before_backward():
     q, k, v = _qkv()
     q.requires_grad_(True)
     x = torch.randn(2, 6, 12)
-    out1, _ = m(x, q, k, v)
-    out2, _ = m(x, q, k, v)
+    out1, _ = m(q, k, v, x=x)
+    out2, _ = m(q, k, v, x=x)
     (out1.sum() + out2.sum()).backward()
     assert torch.isfinite(q.grad).all()
 
@@ -233,13 +233,13 @@ def test_prefill_then_single_steps_equals_full_forward():
     x = torch.randn(B, T, hidden)
     keep = torch.ones(B, T, dtype=torch.bool)
     keep[1, :2] = False  # left padding
-    full, _ = m(x, q, k, v, attention_mask=keep)
-    cache = m.allocate_cache(B, 16)
+    full, _ = m(q, k, v, attention_mask=keep, x=x)
+    cache = m.empty_cache(B)
     with torch.no_grad():
-        out, cache = m(x[:, :4], q[:, :4], k[:, :4], v[:, :4], attention_mask=keep[:, :4], cache=cache)
+        out, cache = m(q[:, :4], k[:, :4], v[:, :4], attention_mask=keep[:, :4], cache=cache, x=x[:, :4])
         outs = [out]
         for t in range(4, T):
-            out, cache = m(x[:, t:t + 1], q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=cache)
+            out, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=cache, x=x[:, t:t + 1])
             outs.append(out)
     assert cache.length == T
     torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=1e-6)
@@ -249,14 +249,14 @@ def test_cache_errors():
     m = AffineScaledAttention(12, 4, 2, 8)
     q, k, v = _qkv(S=2)
     x = torch.randn(2, 2, 12)
-    _, grown = m(x, q, k, v, cache=m.allocate_cache(2, 1))   # a full cache grows instead of failing
-    assert grown.length == 2 and grown.max_len >= 2
+    _, grown = m(q, k, v, cache=m.empty_cache(2), x=x)
+    assert isinstance(grown, AffineScaledAttentionCache) and grown.length == 2
     with pytest.raises(TypeError, match="cache"):
-        m(x, q, k, v, cache={})
+        m(q, k, v, cache={}, x=x)
     with pytest.raises(ConfigError, match="num_kv_heads"):
-        m(x, q, k, v, cache=AffineScaledAttentionCache.allocate(2, 8, 1, 8))
+        m(q, k, v, cache=AffineScaledAttention(12, 4, 1, 8).empty_cache(2), x=x)
     with pytest.raises(DTypeError):
-        m(x, q, k, v, cache=m.allocate_cache(2, 8, dtype=torch.float64))
+        m(q, k, v, cache=m.empty_cache(2, dtype=torch.float64), x=x)
 
 
 # ----------------------------------------------------------------------------
@@ -271,10 +271,10 @@ def test_gradcheck_reference_float64(with_mask):
     q, k, v = (t.requires_grad_(True) for t in _qkv(B, T, H, Hkv, D, dtype=torch.float64))
     alpha = torch.rand(B, T, H, dtype=torch.float64, requires_grad=True)
     alpha_ma = torch.rand(H, dtype=torch.float64, requires_grad=True)
-    key_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 1]]) if with_mask else None
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 0, 1]]) if with_mask else None
 
     def fn(q, k, v, alpha, alpha_ma):
-        return affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, key_mask, upcast=False)
+        return affine_scaled_attention_reference(q, k, v, alpha, alpha_ma, mask, upcast=False)
 
     assert torch.autograd.gradcheck(fn, (q, k, v, alpha, alpha_ma))
 
@@ -316,22 +316,24 @@ def test_bad_inputs_raise():
     q, k, v = _qkv(S=5)
     x = torch.randn(2, 5, 12)
     with pytest.raises(ShapeError, match="hidden_size"):
-        m(torch.randn(2, 5, 10), q, k, v)
+        m(q, k, v, x=torch.randn(2, 5, 10))
     with pytest.raises(ShapeError, match="`q`"):
-        m(x, q[:, :, :3], k, v)
+        m(q[:, :, :3], k, v, x=x)
     with pytest.raises(ShapeError, match="`k`"):
-        m(x, q, k[..., :4], v)
+        m(q, k[..., :4], v, x=x)
     with pytest.raises(ShapeError, match="`v`"):
-        m(x, q, k, v[:, :4])
+        m(q, k, v[:, :4], x=x)
     with pytest.raises(ShapeError, match="N >= S"):
-        m(x, q, k[:, :3], v[:, :3])
+        m(q, k[:, :3], v[:, :3], x=x)
     with pytest.raises(ShapeError, match="attention_mask"):
-        m(x, q, k, v, attention_mask=torch.ones(2, 4))
+        m(q, k, v, attention_mask=torch.ones(2, 4), x=x)
     with pytest.raises(DTypeError, match="mask == 0"):
-        m(x, q, k, v, attention_mask=torch.full((2, 5), 2.0))
+        m(q, k, v, attention_mask=torch.full((2, 5), 2.0), x=x)
     with pytest.raises(DTypeError):
-        m(x, q, k.double(), v)
+        m(q, k.double(), v, x=x)
+    with pytest.raises(DTypeError, match="parameters"):
+        m(q, k, v, x=x.double())                       # x meets alpha_proj's weight in a matmul
     with pytest.raises(ShapeError, match="at least one token"):
-        m(x[:, :0], q[:, :0], k, v)
+        m(q[:, :0], k, v, x=x[:, :0])
     with pytest.raises(TypeError):
-        m(x, q.tolist(), k, v)
+        m(q.tolist(), k, v, x=x)

@@ -29,11 +29,11 @@ def _attn_inputs(B=2, S=5, N=5, H=4, Hkv=2, D=6, *, dtype=F64, mask=True, seed=0
     if mask:
         keep = torch.rand(B, N, generator=gen) > 0.3
         keep[0, 0] = False  # query 0 of row 0 (when S == N) sees nothing
-        inp["key_mask"] = keep
+        inp["attention_mask"] = keep
     return inp
 
 
-def _seed_formula(q, k, v, alpha, bias, gamma, key_mask=None):
+def _seed_formula(q, k, v, alpha, bias, gamma, attention_mask=None):
     """The seed's DERF branch, transcribed: heads-first layout, a materialised
     [S, N] causal mask (triu above the diagonal N - S), a 2-D keep mask, the
     -10000 fill, masked_fill of the weights and the 1e-8 in the denominator."""
@@ -46,8 +46,8 @@ def _seed_formula(q, k, v, alpha, bias, gamma, key_mask=None):
         v = v.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(B, H, N, D)
     scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(D)
     is_masked = torch.triu(torch.ones(S, N, dtype=torch.bool), diagonal=N - S + 1)[None, None]
-    if key_mask is not None:
-        is_masked = is_masked | ~key_mask.bool()[:, None, None, :]
+    if attention_mask is not None:
+        is_masked = is_masked | ~attention_mask.bool()[:, None, None, :]
     safe_scores = scores.masked_fill(is_masked, -10000.0)
     a, b, g = alpha.view(1, -1, 1, 1), bias.view(1, -1, 1, 1), gamma.view(1, -1, 1, 1)
     w = g * torch.erf(a * safe_scores + b)
@@ -81,11 +81,11 @@ class _SeedContextGate(nn.Module):
 @pytest.mark.parametrize("B,S,N,H,Hkv,mask", [(2, 4, 4, 4, 2, True), (1, 2, 5, 2, 1, True), (2, 3, 3, 3, 3, False)])
 def test_attention_reference_gradcheck_float64(B, S, N, H, Hkv, mask):
     inp = _attn_inputs(B, S, N, H, Hkv, 3, mask=mask, seed=1)
-    key_mask = inp.pop("key_mask", None)
+    mask = inp.pop("attention_mask", None)
     leaves = {k: v.requires_grad_(True) for k, v in inp.items()}
 
     def fn(q, k, v, a, b, g):
-        return derf_attention_reference(q, k, v, a, b, g, key_mask, upcast=False)
+        return derf_attention_reference(q, k, v, a, b, g, mask, upcast=False)
 
     assert torch.autograd.gradcheck(fn, tuple(leaves.values()))
 
@@ -153,7 +153,7 @@ def test_causality_perturbing_token_t_leaves_earlier_outputs_unchanged():
 
 def test_fully_masked_row_outputs_zero():
     inp = _attn_inputs(2, 5, 5, 4, 2, 6, mask=True, seed=7)
-    inp["key_mask"][1] = False
+    inp["attention_mask"][1] = False
     out = derf_attention_reference(**inp)
     assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))  # key 0 masked, query 0 sees only key 0
     assert torch.equal(out[1], torch.zeros_like(out[1]))
@@ -187,7 +187,7 @@ def test_context_gate_init_is_nearly_closed():
         gate.proj.bias.zero_()
     r = torch.randn(3, 8)
     expected = r * (torch.special.erfc(torch.tensor(4.0)) / 2)
-    torch.testing.assert_close(gate(r, torch.randn(3, 8)), expected)
+    torch.testing.assert_close(gate(torch.randn(3, 8), retrieved=r), expected)
 
 
 # ----------------------------------------------------------------------------
@@ -213,13 +213,13 @@ def test_context_gate_state_dict_matches_seed_and_loads_strictly():
             p.normal_()
     ours.load_state_dict(seed.state_dict(), strict=True)
     r, x = torch.randn(2, 5, 12, dtype=F64), torch.randn(2, 5, 12, dtype=F64)
-    torch.testing.assert_close(ours(r, x), seed(r, x))
+    torch.testing.assert_close(ours(x, retrieved=r), seed(r, x))
     seed.load_state_dict(ours.state_dict(), strict=True)
 
 
 def _decode(module, q, k, v, mask, chunks):
     B, T = q.shape[:2]
-    cache = DERFCache.allocate(B, T + 3, module.num_kv_heads, module.head_dim, q.dtype, q.device)
+    cache = module.empty_cache(B, dtype=q.dtype, device=q.device)
     outs, start = [], 0
     with torch.no_grad():
         for size in chunks:
@@ -246,20 +246,28 @@ def test_prefill_then_steps_equals_full_forward(with_mask):
         mask = torch.rand(B, T) > 0.3
         mask[1, :3] = False  # left padding
     full, cache = m(q, k, v, mask)
-    assert isinstance(cache, DERFCache) and cache.length == T
+    assert cache is None                                          # no cache given: no decoding
     steps = _decode(m, q, k, v, mask, [5, 3] + [1] * 3)
     torch.testing.assert_close(steps, full, atol=1e-6, rtol=1e-5)
 
 
 def test_cache_reset_and_properties():
-    cache = DERFCache.allocate(2, 6, 1, 4)
     m = DERFAttention(2, 1, 4, backend="reference")
+    cache = m.empty_cache(2)
+    assert (cache.length, cache.batch, cache.dtype, cache.keys.shape) == (0, 2, torch.float32, (2, 0, 1, 4))
     _, grown = m(torch.randn(2, 3, 2, 4), torch.randn(2, 3, 1, 4), torch.randn(2, 3, 1, 4),
                  torch.tensor([[0, 1, 1], [1, 1, 1]]), cache=cache)
     assert (cache.length, cache.has_mask) == (0, False)          # the cache passed in is unchanged
-    assert (grown.batch, grown.max_len, grown.length, grown.has_mask) == (2, 6, 3, True)
+    assert (grown.batch, grown.length, grown.has_mask) == (2, 3, True)
+    assert grown.buffers._storage is cache.buffers._storage       # the prefill wrote into the empty storage
     grown.reset()
     assert grown.length == 0 and not grown.has_mask and grown.keep is None
+
+
+def test_empty_cache_follows_the_parameters_unless_told():
+    m = DERFAttention(2, 1, 4, backend="reference").double()
+    assert m.empty_cache(1).dtype == F64 and m.empty_cache(1, dtype=torch.bfloat16).dtype == torch.bfloat16
+    assert m.empty_cache(1, device="meta").device.type == "meta"
 
 
 # ----------------------------------------------------------------------------
@@ -349,7 +357,7 @@ def test_attention_bad_inputs_raise(case, err, match):
         ("batch", ShapeError, "batch size"),
         ("heads", ConfigError, "num_kv_heads"),
         ("dtype", DTypeError, "cache"),
-        ("kv_len", ShapeError, "queries must be the last"),
+        ("kv_len", ShapeError, "N >= S"),
         ("mask_len", ShapeError, "attention_mask"),
         ("not_cache", TypeError, "DERFCache"),
     ],
@@ -358,13 +366,13 @@ def test_cache_misuse_raises(case, err, match):
     m = DERFAttention(4, 2, 8, backend="reference")
     q, k, v = _good(S=3, N=3)
     mask = None
-    cache = DERFCache.allocate(2, 8, 2, 8)
+    cache = m.empty_cache(2)
     if case == "batch":
-        cache = DERFCache.allocate(1, 8, 2, 8)
+        cache = m.empty_cache(1)
     elif case == "heads":
-        cache = DERFCache.allocate(2, 8, 1, 8)
+        cache = DERFAttention(4, 1, 8).empty_cache(2)
     elif case == "dtype":
-        cache = DERFCache.allocate(2, 8, 2, 8, dtype=torch.float16)
+        cache = m.empty_cache(2, dtype=torch.float16)
     elif case == "kv_len":
         k, v = torch.randn(2, 2, 2, 8), torch.randn(2, 2, 2, 8)
     elif case == "mask_len":
@@ -375,11 +383,12 @@ def test_cache_misuse_raises(case, err, match):
         m(q, k, v, mask, cache=cache)
 
 
-def test_cache_allocate_rejects_bad_arguments():
+def test_empty_cache_rejects_bad_arguments():
+    m = DERFAttention(4, 2, 8)
     with pytest.raises(ConfigError):
-        DERFCache.allocate(0, 8, 2, 8)
+        m.empty_cache(0)
     with pytest.raises(DTypeError):
-        DERFCache.allocate(1, 8, 2, 8, dtype=torch.int32)
+        m.empty_cache(1, dtype=torch.int32)
 
 
 def test_context_gate_bad_inputs_raise():
@@ -389,12 +398,12 @@ def test_context_gate_bad_inputs_raise():
         DERFContextGate(4, init_bias=float("nan"))
     gate = DERFContextGate(4, backend="reference")
     with pytest.raises(ShapeError, match="obs_size=4"):
-        gate(torch.randn(2, 5), torch.randn(2, 5))
+        gate(torch.randn(2, 5), retrieved=torch.randn(2, 5))
     with pytest.raises(ShapeError, match="`x`"):
-        gate(torch.randn(2, 4), torch.randn(3, 4))
+        gate(torch.randn(3, 4), retrieved=torch.randn(2, 4))
     with pytest.raises(DTypeError):
-        gate(torch.randn(2, 4), torch.randn(2, 4, dtype=F64))
-    with pytest.raises(DTypeError, match="module parameters"):
-        gate(torch.randn(2, 4, dtype=F64), torch.randn(2, 4, dtype=F64))
+        gate(torch.randn(2, 4, dtype=F64), retrieved=torch.randn(2, 4))
+    with pytest.raises(DTypeError, match="parameters"):
+        gate(torch.randn(2, 4, dtype=F64), retrieved=torch.randn(2, 4, dtype=F64))
     with pytest.raises(DeviceError):
-        gate(torch.randn(2, 4, device="meta"), torch.randn(2, 4, device="meta"))
+        gate(torch.randn(2, 4, device="meta"), retrieved=torch.randn(2, 4, device="meta"))

@@ -23,16 +23,16 @@ def _inputs(B=2, S=6, extra=3, H=4, HKV=2, D=8, dtype=torch.float64, seed=0, pri
         "elo_log_k": torch.randn(H, generator=gen, dtype=dtype),
         "elo_gain": torch.randn(H, generator=gen, dtype=dtype),
         "prior_rating": torch.randn(B, H, extra, generator=gen, dtype=dtype) if prior and extra else None,
-        "key_mask": None,
+        "attention_mask": None,
     }
     if mask:
         keep = torch.rand(B, N, generator=gen) > 0.3
         keep[:, 0] = True  # every query sees at least one key
-        inp["key_mask"] = keep
+        inp["attention_mask"] = keep
     return inp
 
 
-def _seed_formula(q, k, v, elo_log_k, elo_gain, prior_rating, key_mask):
+def _seed_formula(q, k, v, elo_log_k, elo_gain, prior_rating, attention_mask):
     """The seed's `_elo_attention` math on head-first tensors: fill masked scores with
     the dtype's minimum, softmax, n clamped at 1, dR via keep, intra = cumsum − dR."""
     B, S, H, D = q.shape
@@ -42,8 +42,8 @@ def _seed_formula(q, k, v, elo_log_k, elo_gain, prior_rating, key_mask):
     vh = v.repeat_interleave(group, dim=2).transpose(1, 2)
     scores = qh @ kh.transpose(-2, -1) * (1.0 / math.sqrt(D))
     is_masked = torch.triu(torch.ones(S, N, dtype=torch.bool), diagonal=N - S + 1)[None, None]
-    if key_mask is not None:
-        is_masked = is_masked | ~key_mask.bool()[:, None, None, :]
+    if attention_mask is not None:
+        is_masked = is_masked | ~attention_mask.bool()[:, None, None, :]
     keepf = (~is_masked).to(scores.dtype)
     K = F.softplus(elo_log_k).view(1, H, 1, 1)
     gain = torch.tanh(elo_gain).view(1, H, 1, 1)
@@ -116,9 +116,10 @@ def _decode_vs_full(backend, dtype=torch.float64, B=2, S=9, prefill=4, H=4, HKV=
 
 
 def _decode_steps(m, q, k, v, keep, prefill, S):
-    full, full_cache = m(q, k, v, attention_mask=keep)
-    outs, cache = [], None
-    out, cache = m(q[:, :prefill], k[:, :prefill], v[:, :prefill], attention_mask=keep[:, :prefill])
+    empty = m.empty_cache(q.shape[0], dtype=q.dtype, device=q.device)
+    full, full_cache = m(q, k, v, attention_mask=keep, cache=empty)
+    outs = []
+    out, cache = m(q[:, :prefill], k[:, :prefill], v[:, :prefill], attention_mask=keep[:, :prefill], cache=empty)
     outs.append(out)
     for t in range(prefill, S):
         out, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], attention_mask=keep[:, t:t + 1], cache=cache)
@@ -134,7 +135,7 @@ def test_prefill_then_one_token_steps_equal_full_forward():
     rating_diff = float((full_cache.rating - cache.rating).abs().max())
     assert out_diff < 1e-12, out_diff
     assert rating_diff < 1e-12, rating_diff
-    assert torch.equal(cache.key_mask, full_cache.key_mask)
+    assert torch.equal(cache.keep, full_cache.keep)
 
 
 def test_causality_perturbing_token_t_leaves_earlier_outputs():
@@ -154,14 +155,14 @@ def test_fully_masked_query_outputs_zero_and_adds_no_rating():
     inp = _inputs(B=1, S=5, extra=0, H=2, HKV=1, mask=False, prior=False)
     keep = torch.ones(1, 5, dtype=torch.bool)
     keep[0, :2] = False  # queries 0 and 1 see no key
-    inp["key_mask"] = keep
+    inp["attention_mask"] = keep
     out, rating = elo_attention_reference(**inp)
     assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))
     assert torch.isfinite(out).all() and torch.isfinite(rating).all()
     # the rating of masked keys never moves
     assert torch.equal(rating[0, :, :2], torch.zeros(2, 2, dtype=rating.dtype))
     # and the visible queries match the same call without the padded rows' queries
-    sub = dict(inp, q=inp["q"][:, 2:], k=inp["k"][:, 2:], v=inp["v"][:, 2:], key_mask=None)
+    sub = dict(inp, q=inp["q"][:, 2:], k=inp["k"][:, 2:], v=inp["v"][:, 2:], attention_mask=None)
     out_sub, rating_sub = elo_attention_reference(**sub)
     torch.testing.assert_close(out[:, 2:], out_sub)
     torch.testing.assert_close(rating[:, :, 2:], rating_sub)
@@ -173,7 +174,7 @@ def test_gradcheck_float64(extra, full_prior):
     keys only or of every key."""
     B, S, H, HKV, D = 1, 4, 2, 1, 2
     inp = _inputs(B=B, S=S, extra=extra, H=H, HKV=HKV, D=D, seed=3)
-    keep = inp["key_mask"]
+    keep = inp["attention_mask"]
     keep[0, 3] = False
     if full_prior:
         inp["prior_rating"] = torch.randn(B, H, S + extra, dtype=torch.float64)
@@ -204,10 +205,10 @@ def test_named_errors():
 
     def call(**over):
         kw = dict(inp, **over)
-        check(kw["q"], kw["k"], kw["v"], kw["elo_log_k"], kw["elo_gain"], kw["prior_rating"], kw["key_mask"])
+        check(kw["q"], kw["k"], kw["v"], kw["elo_log_k"], kw["elo_gain"], kw["prior_rating"], kw["attention_mask"])
 
     with pytest.raises(ShapeError, match="N >= S"):
-        call(k=inp["k"][:, :2], v=inp["v"][:, :2], prior_rating=None, key_mask=None)
+        call(k=inp["k"][:, :2], v=inp["v"][:, :2], prior_rating=None, attention_mask=None)
     with pytest.raises(ShapeError, match="num_kv_heads"):
         call(k=torch.randn(2, 9, 3, 8), v=torch.randn(2, 9, 3, 8))
     with pytest.raises(ShapeError, match="`v`"):
@@ -220,10 +221,10 @@ def test_named_errors():
         call(k=inp["k"].double())
     with pytest.raises(DTypeError, match="elo_log_k"):
         call(elo_log_k=torch.zeros(4, dtype=torch.int64))
-    with pytest.raises(ShapeError, match="key_mask"):
-        call(key_mask=torch.ones(2, 8, dtype=torch.bool))
-    with pytest.raises(DTypeError, match="key_mask"):
-        call(key_mask=torch.full((2, 9), 2.0))
+    with pytest.raises(ShapeError, match="attention_mask"):
+        call(attention_mask=torch.ones(2, 8, dtype=torch.bool))
+    with pytest.raises(DTypeError, match="attention_mask"):
+        call(attention_mask=torch.full((2, 9), 2.0))
     with pytest.raises(DeviceError):
         call(elo_gain=torch.zeros(4, device="meta"))
     with pytest.raises(ConfigError):

@@ -3,11 +3,10 @@ import math
 import pytest
 import torch
 
-from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
+from laminae.primitives import ConfigError, DERFAttention, DeviceError, DTypeError, ShapeError
 from laminae.primitives.lucid_attention import (
     LucidAttention,
     LucidCache,
-    LucidCacheError,
     lucid_attention_reference,
     lucid_matrix,
     lucid_precondition_reference,
@@ -201,12 +200,13 @@ def test_module_matches_functional_reference():
     q, k, v = _qkv(2, 9, 9, 4, 2, 8, dtype=torch.float32)
     keep = _ragged(2, 9)
     m = LucidAttention(4, 2, 8, backend="reference")
-    out, cache = m(q, k, v, keep)
+    assert m(q, k, v, keep).cache is None                  # no cache given: no decoding
+    out, cache = m(q, k, v, keep, m.empty_cache(2))
     torch.testing.assert_close(out, lucid_attention_reference(q, k, v, keep), atol=0, rtol=0)
-    assert isinstance(cache, LucidCache) and cache.seq_len == 9
+    assert isinstance(cache, LucidCache) and cache.length == 9 and cache.values.dtype == torch.float32
     kept = keep.bool()
-    torch.testing.assert_close(cache.v_prime[kept], lucid_precondition_reference(k, v, keep)[kept])
-    assert not cache.v_prime[~kept].any()   # the module zeroes padded values before anything reads them
+    torch.testing.assert_close(cache.values[kept], lucid_precondition_reference(k, v, keep)[kept])
+    assert not cache.values[~kept].any()   # the module zeroes padded values before anything reads them
     assert list(m.parameters()) == []
     assert "lucid_attention_eps=1e-06" in repr(m)
 
@@ -222,8 +222,9 @@ def test_prefill_then_one_token_steps_equals_full_forward(masked, dtype):
         keep[0, 9] = False   # a hole decoded later
     mask = keep if masked else None
     m = LucidAttention(H, HKV, D, backend="reference")
-    full, full_cache = m(q, k, v, mask)
-    out, cache = m(q[:, :P], k[:, :P], v[:, :P], None if mask is None else mask[:, :P])
+    empty = m.empty_cache(B, dtype=dtype)
+    full, full_cache = m(q, k, v, mask, empty)
+    out, cache = m(q[:, :P], k[:, :P], v[:, :P], None if mask is None else mask[:, :P], empty)
     outs = [out]
     for t in range(P, T):
         step_mask = None if mask is None else mask[:, t:t + 1]
@@ -233,7 +234,7 @@ def test_prefill_then_one_token_steps_equals_full_forward(masked, dtype):
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     kept = keep[:, :, None, None].expand_as(full)
     assert float((decoded - full)[kept].abs().max()) < tol
-    torch.testing.assert_close(cache.v_prime, full_cache.v_prime, atol=tol, rtol=0)
+    torch.testing.assert_close(cache.values, full_cache.values, atol=tol, rtol=0)
     torch.testing.assert_close(cache.key_hat, full_cache.key_hat, atol=0, rtol=0)
     torch.testing.assert_close(cache.keys, full_cache.keys, atol=0, rtol=0)
 
@@ -242,7 +243,7 @@ def test_chunked_decode_equals_full_forward():
     q, k, v = _qkv(1, 12, 12, 2, 2, 8, seed=5)
     m = LucidAttention(2, 2, 8, backend="reference")
     full, _ = m(q, k, v)
-    out_a, cache = m(q[:, :4], k[:, :4], v[:, :4])
+    out_a, cache = m(q[:, :4], k[:, :4], v[:, :4], cache=m.empty_cache(1, dtype=F64))
     out_b, cache = m(q[:, 4:9], k[:, 4:9], v[:, 4:9], cache=cache)
     out_c, cache = m(q[:, 9:], k[:, 9:], v[:, 9:], cache=cache)
     torch.testing.assert_close(torch.cat([out_a, out_b, out_c], 1), full, atol=1e-12, rtol=0)
@@ -254,7 +255,7 @@ def test_decode_divides_by_the_computed_diagonal():
     k = k * 1e-2  # mean(k²) ≈ 1e-4, so eps = 1e-4 halves it
     m = LucidAttention(1, 1, 4, lucid_attention_eps=1e-4, backend="reference")
     full, _ = m(q, k, v)
-    _, cache = m(q[:, :3], k[:, :3], v[:, :3])
+    _, cache = m(q[:, :3], k[:, :3], v[:, :3], cache=m.empty_cache(1, dtype=F64))
     steps = []
     for t in range(3, 6):
         o, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=cache)
@@ -273,11 +274,13 @@ class _PlainKVCache:
 def test_decode_refuses_a_cache_without_preconditioned_values():
     q, k, v = _qkv(1, 4, 4, 2, 1, 8)
     m = LucidAttention(2, 1, 8)
-    with pytest.raises(LucidCacheError, match="LucidCache"):
+    with pytest.raises(TypeError, match="LucidCache"):
         m(q[:, 3:], k[:, 3:], v[:, 3:], cache=_PlainKVCache(k[:, :3], v[:, :3]))
-    with pytest.raises(LucidCacheError):
+    with pytest.raises(TypeError):
         m(q[:, 3:], k[:, 3:], v[:, 3:], cache=(k[:, :3], v[:, :3]))
-    _, cache = m(q[:, :3], k[:, :3], v[:, :3])
+    with pytest.raises(TypeError, match="LucidCache"):   # a KVCache of another core holds v, not v′
+        m(q[:, 3:], k[:, 3:], v[:, 3:], cache=DERFAttention(2, 1, 8).empty_cache(1, dtype=F64))
+    _, cache = m(q[:, :3], k[:, :3], v[:, :3], cache=m.empty_cache(1, dtype=F64))
     with pytest.raises(ConfigError, match="lucid_attention_eps"):
         LucidAttention(2, 1, 8, lucid_attention_eps=1e-3)(q[:, 3:], k[:, 3:], v[:, 3:], cache=cache)
     with pytest.raises(ShapeError):
@@ -361,7 +364,7 @@ def test_unit_diagonal_alternative():
     m = LucidAttention(2, 1, 4, lucid_attention_eps=1e-4, backend="reference", unit_diagonal=True)
     full, _ = m(q, k, v, keep)
     torch.testing.assert_close(full, lucid_attention_reference(q, k, v, keep, 1e-4, unit_diagonal=True))
-    _, cache = m(q[:, :5], k[:, :5], v[:, :5], keep[:, :5])
+    _, cache = m(q[:, :5], k[:, :5], v[:, :5], keep[:, :5], m.empty_cache(2, dtype=F64))
     steps = []
     for t in range(5, 8):
         o, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], keep[:, t:t + 1], cache=cache)

@@ -122,7 +122,7 @@ def test_module_has_no_parameters_and_matches_reference():
     assert list(m.parameters()) == [] and m.state_dict() == {}
     assert m.eps == 1e-6 and "squared_norm" in repr(m)
     y, v = _pair(heads=4, kv_heads=2, dim=8, dtype=torch.float32)
-    torch.testing.assert_close(m(y, v), xsa_reference(y, v, mode="squared_norm"))
+    torch.testing.assert_close(m(y, v=v), xsa_reference(y, v, mode="squared_norm"))
     assert ExclusiveSelfAttention(4, 2, 8).eps == 1e-8
 
 
@@ -147,25 +147,25 @@ def test_bad_inputs_raise_named_errors():
     m = ExclusiveSelfAttention(4, 2, 8, backend="reference")
     y, v = torch.randn(2, 5, 4, 8), torch.randn(2, 5, 2, 8)
     with pytest.raises(ShapeError, match="4 dimensions"):
-        m(y[0], v)
+        m(y[0], v=v)
     with pytest.raises(ShapeError, match="`v`.*dim 0"):
-        m(y, v[:1])
+        m(y, v=v[:1])
     with pytest.raises(ShapeError, match="`v`.*dim 1"):
-        m(y, v[:, :3])
+        m(y, v=v[:, :3])
     with pytest.raises(ShapeError, match="`y`.*dim 3"):
-        m(y[..., :6], v[..., :6])
+        m(y[..., :6], v=v[..., :6])
     with pytest.raises(ShapeError, match="`y`.*dim 2"):
-        m(torch.randn(2, 5, 6, 8), v)
+        m(torch.randn(2, 5, 6, 8), v=v)
     with pytest.raises(ShapeError, match="`v`.*dim 2"):
-        m(y, torch.randn(2, 5, 1, 8))
+        m(y, v=torch.randn(2, 5, 1, 8))
     with pytest.raises(DTypeError):
-        m(y, v.half())
+        m(y, v=v.half())
     with pytest.raises(DTypeError):
-        m(y.int(), v.int())
+        m(y.int(), v=v.int())
     with pytest.raises(DeviceError):
-        m(y, v.to("meta"))
+        m(y, v=v.to("meta"))
     with pytest.raises(TypeError):
-        m(y.tolist(), v)
+        m(y.tolist(), v=v)
     # the functional form checks the same things
     with pytest.raises(ShapeError, match="multiple of num_kv_heads"):
         xsa_reference(torch.randn(2, 5, 3, 8), torch.randn(2, 5, 2, 8))

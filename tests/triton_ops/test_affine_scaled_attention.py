@@ -52,7 +52,7 @@ def _inputs(B, S, extra, H, Hkv, D, masked, scale, seed, dtype=torch.float32):
     if masked:
         keep = keep_mask(B, N, gen).cpu()
         keep[0, : min(N, extra + 2)] = False  # left padding: the first queries of row 0 see nothing
-        inp["key_mask"] = keep.to(DEVICE)
+        inp["attention_mask"] = keep.to(DEVICE)
     return inp
 
 
@@ -93,7 +93,7 @@ def test_default_tiles_span_several_blocks():
 
 def test_fully_masked_rows_give_zero_output_and_finite_gradients():
     inp = _inputs(1, 6, 0, 2, 1, 16, False, 1.0, 3)
-    inp["key_mask"] = torch.tensor([[0, 0, 0, 1, 1, 0]], device=DEVICE)
+    inp["attention_mask"] = torch.tensor([[0, 0, 0, 1, 1, 0]], device=DEVICE)
     leaves = {k: (v.clone().requires_grad_(True) if k in GRADS else v) for k, v in inp.items()}
     with small_tiles():
         out = affine_scaled_attention(**leaves)
@@ -144,7 +144,7 @@ def test_module_backends_agree_in_training_including_parameter_grads():
     for backend in ("reference", "triton"):
         m = AffineScaledAttention(hidden, H, Hkv, D, initializer_range=0.5, backend=backend).to(DEVICE)
         m.alpha_proj.weight.data = torch.linspace(-1, 1, H * hidden, device=DEVICE).view(H, hidden)
-        out, _ = m(x, q, k, v, attention_mask=keep)
+        out, _ = m(q, k, v, attention_mask=keep, x=x)
         grads = torch.autograd.grad(out, [x, q, k, v, m.alpha_proj.weight], g)
         results.append((out, grads, m.alpha_ma.clone()))
     torch.testing.assert_close(results[1][0], results[0][0], atol=2e-5, rtol=2e-4)
@@ -165,16 +165,16 @@ def test_module_decode_with_triton_matches_full_forward():
     keep = torch.ones(B, T, dtype=torch.bool, device=DEVICE)
     keep[0, :3] = False  # left padding
     with torch.no_grad(), small_tiles():
-        full, _ = m(x, q, k, v, attention_mask=keep)
+        full, _ = m(q, k, v, attention_mask=keep, x=x)
         reference = affine_scaled_attention_reference(q, k, v, torch.clamp(0.1 * (x @ m.alpha_proj.weight.t()) + 0.5,
                                                                             0, 1), m.alpha_ma, keep)
-        cache = m.allocate_cache(B, 20)
+        cache = m.empty_cache(B)
         P = 5
-        out, cache = m(x[:, :P], q[:, :P], k[:, :P], v[:, :P], attention_mask=keep[:, :P], cache=cache)
+        out, cache = m(q[:, :P], k[:, :P], v[:, :P], attention_mask=keep[:, :P], cache=cache, x=x[:, :P])
         outs = [out]
         for t in range(P, T):
-            step, cache = m(x[:, t:t + 1], q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
-                            attention_mask=keep[:, t:t + 1], cache=cache)
+            step, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1],
+                            attention_mask=keep[:, t:t + 1], cache=cache, x=x[:, t:t + 1])
             outs.append(step)
     decoded = torch.cat(outs, 1)
     torch.testing.assert_close(full, reference, atol=2e-5, rtol=2e-4)
@@ -253,7 +253,7 @@ def test_compile_fullgraph_smoke():
     torch.testing.assert_close(out, affine_scaled_attention(q, k, v, alpha, ama))
     m = AffineScaledAttention(256, 8, 2, 64).cuda()
     x = torch.randn(2, 128, 256, device="cuda")
-    out, _ = torch.compile(m, fullgraph=True)(x, q.float(), k.float(), v.float())
+    out, _ = torch.compile(m, fullgraph=True)(q.float(), k.float(), v.float(), x=x)
     out.sum().backward()
     torch.testing.assert_close(m.alpha_ma, 0.1 * affine_alpha_mean(m, x), atol=1e-6, rtol=1e-5)
 

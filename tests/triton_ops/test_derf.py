@@ -10,7 +10,6 @@ from torch import nn
 from laminae.primitives import BackendUnavailableError, DTypeError, ShapeError
 from laminae.primitives.derf import (
     DERFAttention,
-    DERFCache,
     DERFContextGate,
     derf_attention_reference,
     derf_context_gate_reference,
@@ -51,7 +50,7 @@ def _attn_inputs(B, S, extra, H, Hkv, D, masked, scale, alpha_scale, seed, dtype
     if masked:
         keep = keep_mask(B, N, gen)
         keep[-1, : int(torch.randint(0, N, (), generator=gen))] = False  # left padding on the last row
-        inp["key_mask"] = keep
+        inp["attention_mask"] = keep
     return inp
 
 
@@ -73,7 +72,7 @@ def _resolvable_rows(inp) -> torch.Tensor:
     with torch.no_grad():
         wide = {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
                 for k, v in inp.items()}
-        q, k, mask = wide["q"], wide["k"], wide.get("key_mask")
+        q, k, mask = wide["q"], wide["k"], wide.get("attention_mask")
         B, S, H, D = q.shape
         N, group = k.shape[1], H // k.shape[2]
         scores = torch.einsum("bshd,bnhd->bhsn", q, k.repeat_interleave(group, 2)) / D**0.5
@@ -169,7 +168,7 @@ def test_attention_16bit_matches_reference_on_every_row(case, dtype):
 
 def test_fully_masked_rows_are_zero_with_finite_gradients():
     inp = _attn_inputs(2, 6, 0, 2, 1, 16, True, 1.0, 1.0, seed=5)
-    inp["key_mask"][0] = False
+    inp["attention_mask"][0] = False
     assert_attention_parity(inp)
     out = derf_attention(**inp)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
@@ -287,7 +286,7 @@ def test_module_decode_with_triton_equals_full_forward(with_mask):
     with torch.no_grad():
         full, _ = m(q, k, v, mask)
         ref = derf_attention_reference(q, k, v, m.derf_alpha, m.derf_bias, m.derf_gamma, mask)
-        cache = DERFCache.allocate(B, 16, Hkv, D, device=DEVICE)
+        cache = m.empty_cache(B)
         outs, start = [], 0
         for size in (6, 2, 1, 1, 1, 1):
             sl = slice(start, start + size)
@@ -308,7 +307,7 @@ def test_context_gate_module_backends_agree():
     res = []
     for backend in ("reference", "triton"):
         gate.backend = backend
-        y = gate(r, x)
+        y = gate(x, retrieved=r)
         res.append((y, torch.autograd.grad(y, [r, x, *gate.parameters()], g)))
     torch.testing.assert_close(res[1][0], res[0][0], atol=2e-5, rtol=2e-4)
     for a, b in zip(res[1][1], res[0][1]):
@@ -423,6 +422,6 @@ def test_compile_fullgraph_smoke():
     gate = DERFContextGate(256).cuda()
     r = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
     x = torch.randn(4, 64, 256, device="cuda", requires_grad=True)
-    y = torch.compile(gate, fullgraph=True)(r, x)
+    y = torch.compile(gate, fullgraph=True)(x, retrieved=r)
     y.sum().backward()
-    torch.testing.assert_close(y, gate(r, x))
+    torch.testing.assert_close(y, gate(x, retrieved=r))

@@ -61,7 +61,7 @@ def _inputs(B, S, extra, H, HKV, D, mask, gain_scale, scale, seed, full_prior=Fa
     if mask == "ragged":
         keep = torch.rand(B, N, generator=gen) > 0.3
         keep[0, : min(3, N)] = False   # left padding: early queries see no key at all
-        inp["key_mask"] = keep.to(DEVICE)
+        inp["attention_mask"] = keep.to(DEVICE)
     return inp
 
 
@@ -99,10 +99,11 @@ def test_module_triton_decoding_equals_reference_full_forward(small_tiles):
     keep[1, :5] = False
     with torch.no_grad():
         m.backend = "reference"
-        full, full_cache = m(q, k, v, attention_mask=keep)
+        full, full_cache = m(q, k, v, attention_mask=keep, cache=m.empty_cache(B))
         m.backend = "triton"
         outs = []
-        out, cache = m(q[:, :prefill], k[:, :prefill], v[:, :prefill], attention_mask=keep[:, :prefill])
+        out, cache = m(q[:, :prefill], k[:, :prefill], v[:, :prefill], attention_mask=keep[:, :prefill],
+                       cache=m.empty_cache(B))
         outs.append(out)
         for t in range(prefill, S):
             out, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], attention_mask=keep[:, t:t + 1],
@@ -176,8 +177,8 @@ def test_compile_fullgraph_smoke():
     v = torch.randn(2, 64, 2, 64, device="cuda", requires_grad=True)
 
     def run(q, k, v):
-        out, cache = m(q, k, v)
-        return out, cache.rating
+        _, rating = elo_attention(q, k, v, m.elo_log_k, m.elo_gain)   # the rating is differentiable here
+        return m(q, k, v).output, rating
 
     out, rating = torch.compile(run, fullgraph=True)(q, k, v)
     (out.sum() + rating.sum()).backward()

@@ -121,7 +121,7 @@ def _inputs(B, S, N, H, HKV, D, masked, scale, seed, dtype=torch.float32, correl
         keep[0, : min(3, N)] = False  # left padding
         if B > 1:
             keep[1, -1] = True
-        inp["key_mask"] = keep.to(DEVICE)
+        inp["attention_mask"] = keep.to(DEVICE)
     return inp
 
 
@@ -178,13 +178,13 @@ def test_every_launch_configuration_against_float64(config):
     emulate = gpu_tf32() if dtype != torch.float32 else contextlib.nullcontext()
     with emulate:
         assert_float64_truth(lucid_attention, lucid_attention_reference, inp, ["q", "k", "v"], dtype)
-        keys, values, keep = inp["k"], inp["v"], inp["key_mask"]
+        keys, values, keep = inp["k"], inp["v"], inp["attention_mask"]
         v_prime = lucid_precondition_reference(keys.double(), values.double(), keep)
         for T in (1, lucid_ops.DECODE_ROWS + 3):
             C = N - T
             got = lucid_precondition_extend(keys[:, :C], v_prime[:, :C].float(), keys[:, C:], values[:, C:],
                                             keep[:, :C], keep[:, C:])
-            k_hat = lucid_key_norm(keys.double(), key_mask=keep)
+            k_hat = lucid_key_norm(keys.double(), attention_mask=keep)
             want = lucid_extend(k_hat[:, :C], v_prime[:, :C], keep[:, :C], k_hat[:, C:], values[:, C:].double(),
                                 keep[:, C:])
             err = float(torch.linalg.vector_norm(got.double() - want) / torch.linalg.vector_norm(want))
@@ -236,7 +236,7 @@ def test_padding_contents_never_reach_kept_rows():
     """NaN keys and values at padding positions: kept rows of V′ and every gradient
     at kept positions equal those of zeroed padding (0·NaN never enters a product)."""
     inp = _inputs(2, 1, 40, 1, 1, 32, True, 1.0, 5)
-    k, v, keep = inp["k"], inp["v"], inp["key_mask"]
+    k, v, keep = inp["k"], inp["v"], inp["attention_mask"]
     pad = ~keep[:, :, None, None]
     results = []
     for fill in (0.0, float("nan")):
@@ -280,12 +280,12 @@ def test_module_triton_backend_prefill_and_decode():
     torch.manual_seed(0)
     B, T, P, H, HKV, D = 2, 44, 17, 4, 2, 16
     inp = _inputs(B, T, T, H, HKV, D, True, 1.0, 2)
-    q, k, v, keep = inp["q"], inp["k"], inp["v"], inp["key_mask"]
+    q, k, v, keep = inp["q"], inp["k"], inp["v"], inp["attention_mask"]
     ref = LucidAttention(H, HKV, D, backend="reference")
     tri = LucidAttention(H, HKV, D, backend="triton")
     full_ref, _ = ref(q, k, v, keep)
     with forced_tiles():
-        out, cache = tri(q[:, :P], k[:, :P], v[:, :P], keep[:, :P])
+        out, cache = tri(q[:, :P], k[:, :P], v[:, :P], keep[:, :P], tri.empty_cache(B, device=DEVICE))
         outs = [out]
         for t in range(P, P + 3):
             out, cache = tri(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], keep[:, t:t + 1], cache=cache)
@@ -293,8 +293,8 @@ def test_module_triton_backend_prefill_and_decode():
         out, cache = tri(q[:, P + 3:], k[:, P + 3:], v[:, P + 3:], keep[:, P + 3:], cache=cache)
         outs.append(out)
     torch.testing.assert_close(torch.cat(outs, 1), full_ref, atol=2e-5, rtol=2e-4)
-    ref_cache = ref(q, k, v, keep)[1]
-    torch.testing.assert_close(cache.v_prime, ref_cache.v_prime, atol=2e-5, rtol=2e-4)
+    ref_cache = ref(q, k, v, keep, ref.empty_cache(B, device=DEVICE))[1]
+    torch.testing.assert_close(cache.values, ref_cache.values, atol=2e-5, rtol=2e-4)
 
 
 def test_decode_step_on_the_kernels_is_inference_only():

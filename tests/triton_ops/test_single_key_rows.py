@@ -42,7 +42,7 @@ def _derf(gen):
 
     inputs = {**_qkv(gen), "derf_alpha": 1 + 0.5 * torch.randn(H, generator=gen),
               "derf_bias": torch.randn(H, generator=gen) - 0.5, "derf_gamma": 0.5 + torch.rand(H, generator=gen),
-              "key_mask": _keep()}
+              "attention_mask": _keep()}
     return derf_attention, derf_attention_reference, inputs, _rows()
 
 
@@ -52,7 +52,7 @@ def _elo(gen):
 
     inputs = {**_qkv(gen), "elo_log_k": 0.5 * torch.randn(H, generator=gen),
               "elo_gain": 0.6 * torch.randn(H, generator=gen), "prior_rating": torch.randn(B, H, S, generator=gen),
-              "key_mask": _keep()}
+              "attention_mask": _keep()}
     return elo_attention, elo_attention_reference, inputs, _rows()
 
 
@@ -61,7 +61,7 @@ def _affine(gen):
     from laminae.triton_ops.affine_scaled_attention import affine_scaled_attention
 
     inputs = {**_qkv(gen), "alpha": torch.rand(B, S, H, generator=gen), "alpha_ma": torch.rand(H, generator=gen),
-              "key_mask": _keep()}
+              "attention_mask": _keep()}
     return affine_scaled_attention, affine_scaled_attention_reference, inputs, _rows()
 
 
@@ -69,7 +69,7 @@ def _lucid(gen):
     from laminae.primitives.lucid_attention import lucid_attention_reference
     from laminae.triton_ops.lucid_attention import lucid_attention
 
-    return lucid_attention, lucid_attention_reference, {**_qkv(gen), "key_mask": _keep()}, _rows()
+    return lucid_attention, lucid_attention_reference, {**_qkv(gen), "attention_mask": _keep()}, _rows()
 
 
 def _mosrah(gen):

@@ -75,7 +75,7 @@ def test_module_backends_agree():
     res = []
     for backend in ("reference", "triton"):
         m.backend = backend
-        out = m(y, v)
+        out = m(y, v=v)
         res.append((out, torch.autograd.grad(out, [y, v], g)))
     torch.testing.assert_close(res[0][0], res[1][0])
     for a, b in zip(res[0][1], res[1][1]):
@@ -97,7 +97,7 @@ def test_triton_backend_on_cpu_without_interpreter_raises(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     m = ExclusiveSelfAttention(2, 1, 8, backend="triton")
     with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET"):
-        m(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 1, 8))
+        m(torch.randn(1, 2, 2, 8), v=torch.randn(1, 2, 1, 8))
 
 
 def test_opcheck_schema_and_autograd_registration():
@@ -131,6 +131,6 @@ def test_compile_fullgraph_smoke():
     y = torch.randn(2, 128, 8, 64, device="cuda", requires_grad=True)
     v = torch.randn(2, 128, 2, 64, device="cuda", requires_grad=True)
     compiled = torch.compile(m, fullgraph=True)
-    out = compiled(y, v)
+    out = compiled(y, v=v)
     out.sum().backward()
-    torch.testing.assert_close(out, m(y, v))
+    torch.testing.assert_close(out, m(y, v=v))

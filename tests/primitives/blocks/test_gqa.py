@@ -51,13 +51,14 @@ def test_prefill_then_steps_equals_full_forward(core, options):
     x = torch.randn(2, 9, 16)
     pos = torch.arange(9)[None]
     with torch.no_grad():
-        full = attn(x, pos).output
-        out, cache, _ = attn(x[:, :4], pos[:, :4], cache=None)
+        full = attn(x, position_ids=pos)
+        assert full.cache is None                                 # no cache given: no decoding
+        out, cache, _ = attn(x[:, :4], cache=attn.empty_cache(2), position_ids=pos[:, :4])
         outs = [out]
         for t in range(4, 9):
-            out, cache, _ = attn(x[:, t:t + 1], pos[:, t:t + 1], cache=cache)
+            out, cache, _ = attn(x[:, t:t + 1], cache=cache, position_ids=pos[:, t:t + 1])
             outs.append(out)
-    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(outs, 1), full.output, atol=1e-5, rtol=1e-5)
 
 
 def test_cache_is_not_mutated_and_forks_are_independent():
@@ -65,10 +66,10 @@ def test_cache_is_not_mutated_and_forks_are_independent():
     x = torch.randn(1, 6, 16)
     pos = torch.arange(6)[None]
     with torch.no_grad():
-        _, root, _ = attn(x[:, :4], pos[:, :4], cache=None)
-        a, cache_a, _ = attn(x[:, 4:5], pos[:, 4:5], cache=root)
-        b, cache_b, _ = attn(x[:, 5:6], pos[:, 4:5], cache=root)     # another token at the same position
-        a2, _, _ = attn(x[:, 4:5], pos[:, 4:5], cache=root)
+        _, root, _ = attn(x[:, :4], cache=attn.empty_cache(1), position_ids=pos[:, :4])
+        a, cache_a, _ = attn(x[:, 4:5], cache=root, position_ids=pos[:, 4:5])
+        b, cache_b, _ = attn(x[:, 5:6], cache=root, position_ids=pos[:, 4:5])   # another token at that position
+        a2, _, _ = attn(x[:, 4:5], cache=root, position_ids=pos[:, 4:5])
     assert root.length == 4 and cache_a.length == cache_b.length == 5
     torch.testing.assert_close(a2, a, atol=0, rtol=0)
     torch.testing.assert_close(cache_a.keys[:, :4], root.keys)
@@ -77,13 +78,13 @@ def test_cache_is_not_mutated_and_forks_are_independent():
 
 def test_appends_reuse_the_buffer_and_grow_by_doubling():
     attn = make()
-    cache, buffers = None, set()
+    cache, buffers = attn.empty_cache(1), set()
     with torch.no_grad():
         for t in range(40):
-            _, cache, _ = attn(torch.randn(1, 1, 16), torch.tensor([[t]]), cache=cache)
+            _, cache, _ = attn(torch.randn(1, 1, 16), cache=cache, position_ids=torch.tensor([[t]]))
             buffers.add(cache.keys.data_ptr())
-    assert cache.length == 40 and cache.max_len == 64
-    assert len(buffers) == 4          # the first token's own tensor, then capacities 16, 32, 64
+    assert cache.length == 40 and cache.buffers.capacity == 64
+    assert len(buffers) == 3          # capacities 16 (the empty cache's), 32, 64
 
 
 def test_padding_contents_never_reach_kept_positions():
@@ -93,8 +94,8 @@ def test_padding_contents_never_reach_kept_positions():
     keep[0, :2] = False                 # left padding
     poisoned = x.clone()
     poisoned[0, :2] = float("nan")
-    a = attn(x, torch.arange(6)[None], keep).output
-    b = attn(poisoned, torch.arange(6)[None], keep).output
+    a = attn(x, keep, position_ids=torch.arange(6)[None]).output
+    b = attn(poisoned, keep, position_ids=torch.arange(6)[None]).output
     torch.testing.assert_close(b[keep], a[keep])
 
 
@@ -110,23 +111,39 @@ def test_named_errors():
     attn = make()
     x, pos = torch.randn(1, 3, 16), torch.arange(3)[None]
     with pytest.raises(DTypeError, match="attention_mask=\\(mask == 0\\)"):
-        attn(x, pos, torch.tensor([[0.0, float("-inf"), 0.0]]))      # additive masks are rejected
+        attn(x, torch.tensor([[0.0, float("-inf"), 0.0]]), position_ids=pos)   # additive masks are rejected
     with pytest.raises(DTypeError, match="dtype"):
-        attn(x.double(), pos)
+        attn(x.double(), position_ids=pos)
     with pytest.raises(ShapeError):
-        attn(torch.randn(1, 3, 15), pos)
+        attn(torch.randn(1, 3, 15), position_ids=pos)
+    with pytest.raises(ShapeError, match="position_ids"):
+        attn(x, position_ids=pos[:, :2])
+    with pytest.raises(TypeError, match="positional"):
+        attn(x, None, None, pos)                                   # side inputs are keyword-only
     with pytest.raises(ConfigError, match="divide"):
         GroupedQueryAttention(16, 4, 3, 8)
-    _, cache, _ = make("derf")(x, pos, cache=None)
     with pytest.raises(TypeError, match="KVCache"):
-        attn(x, pos, cache=cache)
-    _, sdpa_cache, _ = attn(x, pos)
+        attn(x, cache=make("derf").empty_cache(1), position_ids=pos)
     with pytest.raises(ConfigError, match="configuration"):
-        GroupedQueryAttention(16, 4, 4, 4)(x, pos, cache=sdpa_cache)
+        GroupedQueryAttention(16, 4, 4, 4)(x, cache=attn.empty_cache(1), position_ids=pos)
+    with pytest.raises(DTypeError, match="cache"):
+        attn(x, cache=attn.empty_cache(1, dtype=torch.float64), position_ids=pos)
 
 
 def test_runs_under_autocast():
     attn = make(qk_norm=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = attn(torch.randn(1, 5, 16), torch.arange(5)[None]).output
+        y = attn(torch.randn(1, 5, 16), position_ids=torch.arange(5)[None]).output
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("core", ["sdpa", "derf"])
+def test_empty_cache_made_under_autocast_holds_the_keys_autocast_makes(core):
+    attn = make(core, qk_norm=True)
+    x, pos = torch.randn(1, 5, 16), torch.arange(5)[None]
+    assert attn.empty_cache(1).dtype == torch.float32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = attn.empty_cache(1)
+        _, cache, _ = attn(x[:, :4], cache=cache, position_ids=pos[:, :4])
+        _, cache, _ = attn(x[:, 4:], cache=cache, position_ids=pos[:, 4:])
+    assert cache.dtype == torch.bfloat16 and cache.length == 5

@@ -46,7 +46,7 @@ def test_residual_block_is_pre_norm_residual():
     from laminae.recipes.assembly.decoder import BlockContext
 
     ctx = BlockContext(torch.arange(4)[None])
-    h = x + block.attn(block.attn_norm(x), ctx.positions).output
+    h = x + block.attn(block.attn_norm(x), position_ids=ctx.positions).output
     want = h + block.mlp(block.mlp_norm(h))
     torch.testing.assert_close(block(x, ctx)[0], want)
     assert {"attn_norm.weight", "mlp_norm.weight"} <= set(block.state_dict())

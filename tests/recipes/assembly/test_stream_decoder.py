@@ -53,6 +53,6 @@ def test_one_stream_equals_the_plain_loop():
     x = embed(ids)
     pos = torch.arange(5)[None]
     for layer in layers:
-        x = x + layer.attention.attention(layer.attn_norm(x), pos)[0]
+        x = x + layer.attention.attention(layer.attn_norm(x), position_ids=pos)[0]
         x = x + layer.mlp.module(layer.mlp_norm(x))
     torch.testing.assert_close(model(ids).hidden, final(x))
