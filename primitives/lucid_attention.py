@@ -32,7 +32,7 @@ from ._backend import Backend, check_backend, resolve_backend
 from ._cache import AppendBuffer, DecodingCache, check_cache
 from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
 from ._validation import (check_has_tokens, check_keep_mask, check_positive_int, check_same_device, check_same_dtype,
-                          check_tensor, match_activation_dtypes, without_autocast, zero_padding)
+                          check_tensor, dense_keep_mask, match_activation_dtypes, without_autocast, zero_padding)
 
 __all__ = [
     "LUCID_ATTENTION_EPS",
@@ -62,12 +62,6 @@ class LucidCacheError(TypeError):
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
-
-
-def _keep(key_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    if key_mask is None:
-        return torch.ones(batch, length, dtype=torch.bool, device=device)
-    return key_mask.to(device).bool()
 
 
 def lucid_key_norm(k: torch.Tensor, eps: float = LUCID_ATTENTION_EPS,
@@ -103,7 +97,7 @@ def lucid_matrix(k: torch.Tensor, key_mask: torch.Tensor | None = None,
                  eps: float = LUCID_ATTENTION_EPS, *, unit_diagonal: bool = False) -> torch.Tensor:
     """The dense preconditioner L ``[B, H_kv, N, N]`` (fp32/fp64) for keys ``[B, N, H_kv, D]``."""
     batch, length = k.shape[:2]
-    keep = _keep(key_mask, batch, length, k.device)
+    keep = dense_keep_mask(key_mask, batch, length, k.device)
     k_hat = lucid_key_norm(k, eps, key_mask)
     return _lucid_rows(k_hat, k_hat, keep, keep, 0, unit_diagonal)
 
@@ -140,7 +134,7 @@ def lucid_precondition_reference(k: torch.Tensor, v: torch.Tensor, key_mask: tor
     exactly 1 (the spec's open point 1 alternative; the default keeps the computed one)."""
     batch, length, heads, dim = k.shape
     compute = _compute_dtype(k.dtype)
-    keep = _keep(key_mask, batch, length, k.device)
+    keep = dense_keep_mask(key_mask, batch, length, k.device)
     k_hat = lucid_key_norm(k, eps, key_mask)
     empty = k_hat.new_zeros(batch, 0, heads, dim)
     return lucid_extend(empty, empty, keep[:, :0], k_hat, v.to(compute), keep, unit_diagonal)
@@ -400,7 +394,7 @@ class LucidAttention(nn.Module):
             raise DTypeError("the Triton LUCID kernels support fp32/bf16/fp16; use backend='reference' for fp64")
         batch, s_len = q.shape[:2]
         k, v = zero_padding(attention_mask, k, v)
-        keep_new = _keep(attention_mask, batch, s_len, q.device)
+        keep_new = dense_keep_mask(attention_mask, batch, s_len, q.device)
         k_hat_new = lucid_key_norm(k, eps, attention_mask)
         masked = attention_mask is not None
 
