@@ -633,7 +633,7 @@ _flash_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    key_mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                    attention_mask: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal softmax attention ``[B, S, H, D]`` (differentiable in q, k, v); the
     signature of :func:`flash_attention_reference`. ``window`` W: each query sees
     itself and the W − 1 positions before it (sliding-window attention)."""
@@ -641,7 +641,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     window = _check_window(window)
     if window and q.shape[-1] > WINDOW_MAX_HEAD_DIM:
         raise ShapeError(f"windowed flash attention supports head_dim <= {WINDOW_MAX_HEAD_DIM}, got {q.shape[-1]}")
-    o, _ = _flash_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask_arg(key_mask), window)
+    o, _ = _flash_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), mask_arg(attention_mask), window)
     return o
 
 
@@ -654,7 +654,7 @@ def _check_window(window: int | None) -> int:
 
 
 def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              key_mask: torch.Tensor | None = None, window: int | None = None, *,
+                              attention_mask: torch.Tensor | None = None, window: int | None = None, *,
                               upcast: bool = True) -> torch.Tensor:
     """Plain causal softmax attention with the same conventions (materialises P)."""
     dtype = q.dtype
@@ -668,8 +668,8 @@ def flash_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     distance = torch.arange(S, device=q.device)[:, None] + (N - S) - torch.arange(N, device=q.device)[None, :]
     visible = (distance >= 0) & (distance < (_check_window(window) or N + 1))
     visible = visible[None, None]
-    if key_mask is not None:
-        visible = visible & key_mask.to(q.device).bool()[:, None, None, :]
+    if attention_mask is not None:
+        visible = visible & attention_mask.to(q.device).bool()[:, None, None, :]
     any_visible = visible.any(-1, keepdim=True)
     scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)
     p = torch.softmax(scores, dim=-1).masked_fill(~visible, 0.0)

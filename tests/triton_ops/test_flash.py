@@ -110,7 +110,7 @@ def test_kernels_match_reference_with_unequal_tiles(B, S, extra, hh, D, masked, 
     inputs = {"q": (torch.randn(B, S, H, D, generator=gen) * scale).to(DEVICE),
               "k": (torch.randn(B, N, HKV, D, generator=gen) * scale).to(DEVICE),
               "v": (torch.randn(B, N, HKV, D, generator=gen) * scale).to(DEVICE),
-              "key_mask": keep_mask(B, N, gen) if masked else None, "window": window}
+              "attention_mask": keep_mask(B, N, gen) if masked else None, "window": window}
     with forced_tiles(t):
         assert_parity(flash_attention, flash_attention_reference, inputs, ["q", "k", "v"])
 

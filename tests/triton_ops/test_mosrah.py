@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from laminae.primitives import DTypeError, ShapeError
-from laminae.primitives.mosrah import MoSRAH, mosrah_reference, yarn_rope
+from laminae.primitives.blocks.rotary import yarn_rope
+from laminae.primitives.mosrah import MoSRAH, mosrah_reference
 from laminae.triton_ops._parity import parity
 from laminae.triton_ops.mosrah import (Tiles, _mosrah_attention_fwd, mosrah, mosrah_attention, packed_layout,
                                        tour_case)
@@ -216,7 +217,7 @@ def test_flash_window_matches_reference(B, S, extra, heads, window, masked, seed
     N = S + extra
     inputs = {"q": torch.randn(B, S, H, 16, generator=gen), "k": torch.randn(B, N, HKV, 16, generator=gen),
               "v": torch.randn(B, N, HKV, 16, generator=gen),
-              "key_mask": (torch.rand(B, N, generator=gen) > 0.3) if masked else None, "window": window}
+              "attention_mask": (torch.rand(B, N, generator=gen) > 0.3) if masked else None, "window": window}
     original = _flash.tiles
     _flash.tiles = lambda d, dt: FlashTiles(16, 16, 1, 16, 16, 1, 16, 16, 1)
     try:
