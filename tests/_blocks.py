@@ -12,8 +12,8 @@ import torch
 
 from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttention, EngramModule, LucidAttention,
                                 MemoryCacheBranch, MoMRead, MoSRAH, StackMemory)
-from laminae.recipes.assembly.hybrid_attention import HybridAttention, HybridAttentionCache
-from laminae.primitives.blocks.sliding_window import SlidingWindowAttention, SlidingWindowCache
+from laminae.recipes.assembly.hybrid_attention import HybridAttention
+from laminae.primitives.blocks.sliding_window import SlidingWindowAttention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 2, 1, 8
 
@@ -75,21 +75,13 @@ def _stack_call(module, x, mask, cache):
     return module(x, attention_mask=mask, cache=cache)
 
 
-def _mosrah_call(module, x, mask, cache):
-    return module(x, attention_mask=mask, cache=cache)
-
-
-def _mosrah_start(module, x):
-    return module.empty_cache(x.shape[0], dtype=x.dtype)
-
-
-def _hybrid_call(module, x, mask, cache):
-    # SHRAM's attention sub-layer; as MoSRAH, a decoding cache starts empty
+def _routed_call(module, x, mask, cache):
+    # MoSRAH, SHRAM's sliding window and its hybrid of both: a decoding cache starts empty
     return module(x, mask, cache=cache)
 
 
-def _hybrid_start(module, x):
-    return HybridAttentionCache(SlidingWindowCache())
+def _empty_cache(module, x):
+    return module.empty_cache(x.shape[0])
 
 
 def _hybrid(backend):
@@ -98,6 +90,11 @@ def _hybrid(backend):
     sparse = MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM, training_sequence_length=32,
                     backend=backend)
     return HybridAttention(local, sparse).eval()
+
+
+def _sliding_window(backend):
+    torch.manual_seed(0)
+    return SlidingWindowAttention(HIDDEN, 2, HEAD_DIM, window_size=3, backend=backend).eval()
 
 
 def _scaled(module):
@@ -125,9 +122,10 @@ BLOCKS = [
     Block("stack_memory", lambda be: _scaled(StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4,
                                                          mode="temporal", backend=be)), _stack_call),
     Block("mosrah", lambda be: MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM,
-                                      training_sequence_length=32, backend=be).eval(), _mosrah_call,
-          start=_mosrah_start),
-    Block("hybrid_attention", _hybrid, _hybrid_call, start=_hybrid_start),
+                                      training_sequence_length=32, backend=be).eval(), _routed_call,
+          start=_empty_cache),
+    Block("sliding_window_attention", _sliding_window, _routed_call, start=_empty_cache),
+    Block("hybrid_attention", _hybrid, _routed_call, start=_empty_cache),
 ]
 BY_NAME = {b.name: b for b in BLOCKS}
 
