@@ -403,6 +403,21 @@ def test_cache_grows_by_doubling():
     torch.testing.assert_close(dec, m(x).output, atol=1e-5, rtol=0)
 
 
+def test_cache_rows_of_one_chunk_never_collide():
+    """A chunk's live copies land at each head's count in slot order, its other slots
+    right after them: every slot has its own row, so the scatter has one writer per
+    row (with duplicates a GPU scatter picks a writer at random)."""
+    cache = _module(L=2, K=1).empty_cache(1)
+    keys = torch.arange(2 * 4 * 16, dtype=torch.float32).reshape(1, 2, 4, 16)         # [B, L, N, u]
+    write = torch.tensor([[[False, True, False, True], [True, True, False, False]]])
+    new = cache.append(keys, -keys, write, torch.ones(1, 4, dtype=torch.bool))
+    assert new.counts.tolist() == [[2, 2]] and new.length == 4
+    for head in range(2):
+        order = torch.cat([write[0, head].nonzero().flatten(), (~write[0, head]).nonzero().flatten()])
+        torch.testing.assert_close(new.keys[0, :, head], keys[0, head, order], atol=0, rtol=0)
+        torch.testing.assert_close(new.values[0, :, head], -keys[0, head, order], atol=0, rtol=0)
+
+
 def test_empty_cache_takes_dtype_and_device_by_keyword():
     m = _module()
     cache = m.empty_cache(2)
@@ -436,12 +451,17 @@ def test_bea_module_runs_the_packed_reference():
 
 
 def test_autocast_cpu_bfloat16():
+    """MoSRAH's own math runs with autocast off (the cast policy): an fp32 input gives
+    the fp32 result under autocast too (fp32 routing logits), a bf16 one is computed
+    in fp32 and returned in bf16."""
     m = _module()
     x = torch.randn(2, 5, 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = m(x)
-    assert torch.isfinite(out.output).all()
-    torch.testing.assert_close(out.output.float(), m(x).output, atol=5e-2, rtol=5e-2)
+        low = m(x.bfloat16())
+    torch.testing.assert_close(out.output, m(x).output, atol=0, rtol=0)
+    assert low.output.dtype == torch.bfloat16 and torch.isfinite(low.output).all()
+    torch.testing.assert_close(low.output.float(), m(x).output, atol=5e-2, rtol=5e-2)
 
 
 def test_upcast_false_keeps_the_dtype():

@@ -83,6 +83,32 @@ def test_padding_nan_never_reaches_kept_positions():
     assert torch.isfinite(model(ids, keep).logits).all()
 
 
+def test_hybrid_attention_positions_and_empty_cache():
+    """Both paths default to the live rank J (continuing their caches); explicit
+    position_ids reach both; decoding starts from empty_cache."""
+    torch.manual_seed(0)
+    attn = shram.build(shram.CONFIG(**TINY), backend="reference").model.layers[0].attention.eval()
+    x = torch.randn(2, 7, 32)
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[0, :2] = False
+    rank = (torch.cumsum(keep.long(), 1) - 1).clamp_min(0)
+    with torch.no_grad():
+        out = attn(x, keep)
+        assert out.cache is None
+        torch.testing.assert_close(attn(x, keep, position_ids=rank).output, out.output, atol=0, rtol=0)
+        x0, spread = torch.where(keep[..., None], x, 0.0), 2 * rank
+        both = (attn.local_attention(x0, keep, position_ids=spread).output
+                + attn.sparse_attention(x0, keep, position_ids=spread).output)
+        torch.testing.assert_close(attn(x, keep, position_ids=spread).output, both, atol=0, rtol=0)
+        assert (both - out.output).abs().max() > 1e-4
+        cache = attn.empty_cache(2, dtype=torch.float64)
+        assert (cache.length, cache.local.dtype, cache.sparse.dtype) == (0, torch.float64, torch.float64)
+        first = attn(x[:, :4], keep[:, :4], attn.empty_cache(2))
+        step = attn(x[:, 4:], keep[:, 4:], first.cache)
+    assert first.cache.length == 4 and step.cache.length == 7
+    torch.testing.assert_close(torch.cat([first.output, step.output], 1)[keep], out.output[keep], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("rope_mode", ["main_sequence", "semantic_sequence"])
 def test_both_position_modes_train_and_decode(rope_mode):
     torch.manual_seed(0)
