@@ -45,7 +45,7 @@ from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
 from ._cache import MIN_CAPACITY, AppendBuffer, DecodingCache, check_cache
-from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
+from ._errors import ConfigError, DTypeError, ShapeError
 from ._validation import (FLOAT_DTYPES, check_choice, check_has_tokens, check_keep_mask, check_param_dtype,
                           check_positive_int, check_same_device, check_tensor, debug_checks_enabled, dense_keep_mask,
                           without_autocast)
@@ -109,11 +109,12 @@ class Routing(NamedTuple):
     max_vio: torch.Tensor       # 0-dim, detached, in the routing precision
 
 
-def sanitize_padding(x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """Non-finite entries of dead tokens become 0 (finite padding is kept, so dead
-    tokens route exactly as in the public implementation): nothing downstream, not
-    even a gradient 0·NaN, can then see them."""
-    return torch.where(~live[..., None] & ~torch.isfinite(x), torch.zeros((), dtype=x.dtype, device=x.device), x)
+def sanitize_padding(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Non-finite entries of dead tokens (``attention_mask`` ``[B, N]`` bool False) become
+    0 (finite padding is kept, so dead tokens route exactly as in the public
+    implementation): nothing downstream, not even a gradient 0·NaN, can then see them."""
+    dead = ~attention_mask[..., None] & ~torch.isfinite(x)
+    return torch.where(dead, torch.zeros((), dtype=x.dtype, device=x.device), x)
 
 
 def mosrah_route(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: torch.Tensor, top_k: int,
