@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from laminae.primitives.mosrah import mosrah_reference, yarn_rope
+from laminae.primitives.blocks.rotary import yarn_rope
+from laminae.primitives.mosrah import mosrah_reference
 from laminae.triton_ops.mosrah import mosrah
 
 from ._harness import DEVICE, MODES, PROVIDERS, by_mode, run_benchmark

@@ -29,8 +29,8 @@ from .xsa import ExclusiveSelfAttention, xsa_reference
 
 from .blocks import (AttentionOutput, GroupedQueryAttention, GroupedSwiGLU, HCOutputMix, HyperConnection, RMSNorm,
                      RotaryEmbedding, SlidingWindowAttention, SlidingWindowCache, SparseMoE, SwiGLU, abstention_loss,
-                     apply_rotary, cross_entropy, expand_streams, rms_norm, rope_inv_freq, sdpa_core, shift_labels,
-                     z_loss)
+                     apply_rotary, cross_entropy, expand_streams, rms_norm, rope_inv_freq, rotary_embedding, sdpa_core,
+                     shift_labels, yarn_rope, z_loss)
 from .blocks.moe import MoEOutput
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
     "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
     "GroupedSwiGLU", "MoEOutput", "SparseMoE",
     "RMSNorm", "rms_norm",
-    "RotaryEmbedding", "apply_rotary", "rope_inv_freq",
+    "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "rotary_embedding", "yarn_rope",
     "SlidingWindowAttention", "SlidingWindowCache",
     "SwiGLU",
 ]

@@ -7,11 +7,13 @@ decoding) are both right, and ``cache=None`` means "no history".
 
 Per-position tensors live in :class:`AppendBuffer`: named buffers ``[batch, capacity,
 ...]`` (positions on dim 1) shared by the caches of one generation. Each buffer object
-records its own ``length``; the shared storage records how far it has been written.
-Appending at the written mark writes in place (amortised O(1) per token, capacity
-doubles when full); appending from a buffer that is behind the mark (another branch
-wrote past it) copies its prefix into fresh storage first (copy-on-branch), so
-branches never see each other's tokens.
+records its own ``length`` and the write version it continues; the shared storage
+records the version of its newest write. A buffer at that version writes in place
+(amortised O(1) per token, capacity doubles when full); a buffer behind it (another
+branch wrote since) copies its positions into fresh storage first (copy-on-branch), so
+branches never see each other's tokens. Appends write the next positions; scattered
+writes (:meth:`AppendBuffer.scatter`) put rows at data-dependent positions, as
+MoSRAH's per-head rows.
 
 Caches hold detached tensors: decoding is inference. To differentiate through carried
 state, call the functional ``*_reference`` / ``laminae.triton_ops`` ops with explicit
@@ -32,12 +34,13 @@ MIN_CAPACITY = 16
 
 
 class _Storage:
-    """Buffers shared by every AppendBuffer of one lineage, and the written mark."""
+    """Buffers shared by every AppendBuffer of one lineage, and the version of the
+    newest write into them (the only buffer that may write in place carries it)."""
 
-    __slots__ = ("tensors", "written")
+    __slots__ = ("tensors", "version")
 
-    def __init__(self, tensors: dict[str, torch.Tensor], written: int) -> None:
-        self.tensors, self.written = tensors, written
+    def __init__(self, tensors: dict[str, torch.Tensor], version: int = 0) -> None:
+        self.tensors, self.version = tensors, version
 
     @property
     def capacity(self) -> int:
@@ -54,12 +57,15 @@ class AppendBuffer:
         a = buf.append(key=k1, value=v1)                       # in place, O(1)
         b = buf.append(key=k2, value=v2)                       # copies: `a` stays intact
         b.get("key").shape                                     # [B, T + 1, H, D]
+
+    A buffer made by hand from another's storage (``AppendBuffer(storage, n)``)
+    carries no write version, so its first write copies: always correct.
     """
 
-    __slots__ = ("_storage", "length")
+    __slots__ = ("_storage", "length", "_version")
 
-    def __init__(self, storage: _Storage | None = None, length: int = 0) -> None:
-        self._storage, self.length = storage, length
+    def __init__(self, storage: _Storage | None = None, length: int = 0, version: int | None = None) -> None:
+        self._storage, self.length, self._version = storage, length, version
 
     @classmethod
     def preallocate(cls, capacity: int, like: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
@@ -68,14 +74,14 @@ class AppendBuffer:
         (trailing shape, dtype)."""
         tensors = {name: torch.zeros((batch, capacity, *tail), dtype=dtype, device=device)
                    for name, (tail, dtype) in like.items()}
-        return cls(_Storage(tensors, 0), 0)
+        return cls(_Storage(tensors), 0, 0)
 
     @classmethod
     def wrap(cls, **tensors: torch.Tensor) -> "AppendBuffer":
         """A full buffer around existing tensors, without copying (the first append
         after it grows into fresh storage, so the tensors are never written)."""
         tensors = {k: t.detach() for k, t in tensors.items()}
-        return cls(_Storage(tensors, _positions(tensors)), _positions(tensors))
+        return cls(_Storage(tensors), _positions(tensors), 0)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -94,29 +100,60 @@ class AppendBuffer:
     def append(self, **new: torch.Tensor) -> "AppendBuffer":
         """A buffer holding these positions plus ``new`` (each ``[batch, T, ...]``, one
         T). This buffer object is unchanged."""
-        count = _positions(new)
-        start, end = self.length, self.length + count
-        st = self._storage
+        start = self.length
+        end = start + _positions(new)
         with torch.no_grad():
-            if st is not None and set(new) != set(st.tensors):
-                raise ConfigError(f"appending {sorted(new)} to a cache holding {sorted(st.tensors)}")
-            in_place = st is not None and st.written == start and end <= st.capacity
-            if not in_place:
-                # grow (doubling), or branch off: either way the prefix moves to new storage
-                old = 0 if st is None else st.capacity
-                capacity = old if st is not None and st.written != start and end <= old else max(end, 2 * old,
-                                                                                              MIN_CAPACITY)
-                tensors = {}
-                for name, t in new.items():
-                    buf = t.new_empty((t.shape[0], capacity, *t.shape[2:]))
-                    if start:
-                        buf[:, :start].copy_(st.tensors[name][:, :start])
-                    tensors[name] = buf
-                st = _Storage(tensors, start)
+            st = self._writable(end, new)
             for name, t in new.items():
                 st.tensors[name][:, start:end].copy_(t)
-            st.written = end
-        return AppendBuffer(st, end)
+        return self._written(st, end)
+
+    def scatter(self, count: int, index: torch.Tensor, **new: torch.Tensor) -> "AppendBuffer":
+        """A buffer ``count`` positions longer whose storage also holds the rows of
+        ``new`` (each ``[batch, T, ...]``) at the positions ``index`` ``[batch, T, ...]``
+        along dim 1 (the leading dims of every ``new`` tensor, broadcast over the rest;
+        distinct, each below ``length + count``). This buffer object is unchanged.
+
+        For rows at data-dependent positions (MoSRAH's per-head rows, written at each
+        head's own count): a position below ``length`` may be written, so the caller
+        writes only positions that it does not read as holding data. The earlier
+        buffers of the lineage read no more than it does, so they stay intact too; a
+        branch copies first, as for appends."""
+        end = self.length + count
+        with torch.no_grad():
+            st = self._writable(end, new)
+            for name, t in new.items():
+                dest = st.tensors[name]
+                at = index.reshape(index.shape + (1,) * (t.dim() - index.dim())).expand(t.shape)
+                dest.scatter_(1, at, t.to(dest.dtype))
+        return self._written(st, end)
+
+    def _writable(self, end: int, new: Mapping[str, torch.Tensor]) -> _Storage:
+        """The storage the next write goes to: this buffer's own when it holds the newest
+        write and ``end`` positions fit, else fresh storage (capacity doubled when
+        growing) holding a copy of this buffer's positions. The storage keeps its dtypes."""
+        st = self._storage
+        if st is not None and set(new) != set(st.tensors):
+            raise ConfigError(f"appending {sorted(new)} to a cache holding {sorted(st.tensors)}")
+        newest = st is not None and st.version == self._version
+        if newest and end <= st.capacity:
+            return st
+        # grow (doubling), or branch off: either way the positions move to new storage
+        old = 0 if st is None else st.capacity
+        capacity = old if st is not None and not newest and end <= old else max(end, 2 * old, MIN_CAPACITY)
+        tensors = {}
+        for name, t in new.items():
+            like = t if st is None else st.tensors[name]
+            buf = like.new_empty((t.shape[0], capacity, *like.shape[2:]))
+            if self.length:
+                buf[:, :self.length].copy_(st.tensors[name][:, :self.length])
+            tensors[name] = buf
+        return _Storage(tensors)
+
+    @staticmethod
+    def _written(st: _Storage, length: int) -> "AppendBuffer":
+        st.version += 1
+        return AppendBuffer(st, length, st.version)
 
     def clone(self) -> "AppendBuffer":
         """An independent copy of the first ``length`` positions."""

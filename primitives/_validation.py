@@ -118,6 +118,15 @@ def check_keep_mask(name: str, mask: torch.Tensor | None, batch: int, length: in
     return mask != 0
 
 
+def dense_keep_mask(mask: torch.Tensor | None, batch: int, length: int, device: torch.device | str) -> torch.Tensor:
+    """The ``(batch, length)`` bool keep mask on ``device``: ``mask`` read as nonzero =
+    keep, or every token kept when there is none (for math that needs a tensor; the
+    checks are :func:`check_keep_mask`'s)."""
+    if mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    return mask.to(device) != 0
+
+
 def zero_padding(mask: torch.Tensor | None, *tensors: torch.Tensor | None) -> tuple:
     """Each ``[batch, seq, ...]`` tensor with its positions where ``mask`` (``(batch,
     seq)`` keep mask) is 0 replaced by 0, so padding contents (even NaN or inf) cannot

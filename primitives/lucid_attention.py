@@ -32,7 +32,7 @@ from ._backend import Backend, check_backend, resolve_backend
 from ._cache import KVCache, cache_placement
 from ._errors import ConfigError, DTypeError
 from ._outputs import BlockOutput
-from ._validation import check_positive_int, without_autocast, zero_padding
+from ._validation import check_positive_int, dense_keep_mask, without_autocast, zero_padding
 
 __all__ = [
     "LUCID_ATTENTION_EPS",
@@ -56,12 +56,6 @@ LUCID_ATTENTION_EPS = 1e-6  # the seed's ``lucid_attention_eps``
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
-
-
-def _keep(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    if attention_mask is None:
-        return torch.ones(batch, length, dtype=torch.bool, device=device)
-    return attention_mask.to(device).bool()
 
 
 def lucid_key_norm(k: torch.Tensor, eps: float = LUCID_ATTENTION_EPS,
@@ -97,7 +91,7 @@ def lucid_matrix(k: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  eps: float = LUCID_ATTENTION_EPS, *, unit_diagonal: bool = False) -> torch.Tensor:
     """The dense preconditioner L ``[B, H_kv, N, N]`` (fp32/fp64) for keys ``[B, N, H_kv, D]``."""
     batch, length = k.shape[:2]
-    keep = _keep(attention_mask, batch, length, k.device)
+    keep = dense_keep_mask(attention_mask, batch, length, k.device)
     k_hat = lucid_key_norm(k, eps, attention_mask)
     return _lucid_rows(k_hat, k_hat, keep, keep, 0, unit_diagonal)
 
@@ -134,7 +128,7 @@ def lucid_precondition_reference(k: torch.Tensor, v: torch.Tensor, attention_mas
     exactly 1 (the spec's open point 1 alternative; the default keeps the computed one)."""
     batch, length, heads, dim = k.shape
     compute = _compute_dtype(k.dtype)
-    keep = _keep(attention_mask, batch, length, k.device)
+    keep = dense_keep_mask(attention_mask, batch, length, k.device)
     k_hat = lucid_key_norm(k, eps, attention_mask)
     empty = k_hat.new_zeros(batch, 0, heads, dim)
     return lucid_extend(empty, empty, keep[:, :0], k_hat, v.to(compute), keep, unit_diagonal)
@@ -339,7 +333,7 @@ class LucidAttention(nn.Module):
             if cache is not None:
                 cache = cache.append(k, v_prime, mask, extra={"key_hat": lucid_key_norm(k, eps, mask)})
         else:
-            keep_new = _keep(mask, batch, s_len, q.device)
+            keep_new = dense_keep_mask(mask, batch, s_len, q.device)
             k_hat_new = lucid_key_norm(k, eps, mask)
             if use_triton:  # the new rows of L against the cache, by kernels (inference only)
                 from laminae.triton_ops.lucid_attention import lucid_precondition_extend

@@ -38,25 +38,22 @@ Parameter names follow the public SHRAM implementation, so its checkpoints load:
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ._backend import Backend, check_backend, resolve_backend
-from ._cache import DecodingCache, check_cache
-from ._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from ._validation import (check_choice, check_has_tokens, check_keep_mask, check_positive_int, check_same_device,
-                          check_tensor, debug_checks_enabled)
+from ._cache import MIN_CAPACITY, AppendBuffer, DecodingCache, check_cache
+from ._errors import ConfigError, DTypeError, ShapeError
+from ._validation import (FLOAT_DTYPES, check_choice, check_has_tokens, check_keep_mask, check_param_dtype,
+                          check_positive_int, check_same_device, check_tensor, debug_checks_enabled, dense_keep_mask,
+                          without_autocast)
+from .blocks.rotary import RotaryEmbedding, YarnRope, rotary_embedding, yarn_rope
 
 __all__ = [
     "ROPE_MODES",
     "CACHE_HORIZONS",
-    "YarnRope",
-    "yarn_rope",
-    "rope_rotate",
     "Routing",
     "mosrah_route",
     "load_balance_loss",
@@ -75,45 +72,6 @@ __all__ = [
 ROPE_MODES = ("main_sequence", "semantic_sequence")
 # Cached decoding: which cache rows a live query of a chunk may see (errata E1).
 CACHE_HORIZONS = ("live_rank", "raw_slot")
-
-
-# ----------------------------------------------------------------------------
-# RoPE with YaRN
-# ----------------------------------------------------------------------------
-
-
-class YarnRope(NamedTuple):
-    inv_freq: torch.Tensor      # [u/2] fp32 θ′_i (angles are position · θ′_i)
-    attention_scale: float      # A_rope / √u, the one factor applied to q̃·k̃
-
-
-def yarn_rope(head_dim: int, base: float, training_length: int, inference_length: int,
-              alpha: float = 1.0, beta: float = 32.0, device: torch.device | str | None = None) -> YarnRope:
-    """YaRN frequencies ``θ′`` ``[head_dim/2]`` (fp32) and the score scale ``A/√u``.
-
-    Evaluated in fp32 in the public implementation's order (errata E6), also at
-    ``s = 1``, where ``θ′`` equals ``θ`` up to one ulp and ``A = 1``."""
-    scale = inference_length / training_length
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
-    theta = 1.0 / (base ** exponent)
-    ratio = (training_length * theta) / (2 * math.pi)
-    ramp = ((ratio - alpha) / (beta - alpha)).clamp(0.0, 1.0)
-    inv_freq = (1 - ramp) * (theta / scale) + ramp * theta
-    factor = (0.1 * math.log(scale) + 1.0) ** 2
-    return YarnRope(inv_freq, factor / math.sqrt(head_dim))
-
-
-def rope_rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Half-split rotation of ``x`` ``[..., u]`` by ``positions`` ``[...]`` (integers).
-
-    Angles, cos and sin in fp32, then cast to ``x``'s dtype; the rotation runs in
-    that dtype: ``x·cos + [−x_b, x_a]·sin``."""
-    angle = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
-    angle = torch.cat([angle, angle], dim=-1)
-    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 # ----------------------------------------------------------------------------
@@ -151,17 +109,12 @@ class Routing(NamedTuple):
     max_vio: torch.Tensor       # 0-dim, detached, in the routing precision
 
 
-def _keep(attention_mask: torch.Tensor | None, B: int, N: int, device) -> torch.Tensor:
-    if attention_mask is None:
-        return torch.ones(B, N, dtype=torch.bool, device=device)
-    return attention_mask.to(device=device).bool()
-
-
-def sanitize_padding(x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-    """Non-finite entries of dead tokens become 0 (finite padding is kept, so dead
-    tokens route exactly as in the public implementation): nothing downstream, not
-    even a gradient 0·NaN, can then see them."""
-    return torch.where(~live[..., None] & ~torch.isfinite(x), torch.zeros((), dtype=x.dtype, device=x.device), x)
+def sanitize_padding(x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Non-finite entries of dead tokens (``attention_mask`` ``[B, N]`` bool False) become
+    0 (finite padding is kept, so dead tokens route exactly as in the public
+    implementation): nothing downstream, not even a gradient 0·NaN, can then see them."""
+    dead = ~attention_mask[..., None] & ~torch.isfinite(x)
+    return torch.where(dead, torch.zeros((), dtype=x.dtype, device=x.device), x)
 
 
 def mosrah_route(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: torch.Tensor, top_k: int,
@@ -172,7 +125,7 @@ def mosrah_route(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: tor
     ``promote_types(x.dtype, float32)``: float64 inputs stay float64 throughout."""
     B, N, _ = x.shape
     L = routing_weight.shape[0]
-    live = _keep(attention_mask, B, N, x.device)
+    live = dense_keep_mask(attention_mask, B, N, x.device)
     compute = torch.promote_types(x.dtype, torch.float32)
     logits = x.to(compute) @ routing_weight.to(compute).t()
     probs = torch.softmax(logits, dim=-1)
@@ -265,19 +218,21 @@ def _masked_softmax_attention(q, k, v, allowed, scale):
     return torch.einsum("blts,blsu->bltu", p, v)
 
 
-def bea_packed_reference(x_packed: torch.Tensor, positions: torch.Tensor, live: torch.Tensor,
+def bea_packed_reference(x_packed: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                          q_proj: torch.Tensor, k_proj: torch.Tensor, v_proj: torch.Tensor, o_proj: torch.Tensor,
                          inv_freq: torch.Tensor, attention_scale: float, *, upcast: bool = True) -> torch.Tensor:
-    """BEA over packed heads: ``x_packed`` ``[B, L, T, d]``, ``positions`` ``[B, L, T]``
-    (integers), ``live`` ``[B, L, T]`` bool → ``y`` ``[B, L, T, d]`` (0 where not live).
-    Causal by slot; a live query sees live keys at slots ≤ its own."""
+    """BEA over packed heads: ``x_packed`` ``[B, L, T, d]``, ``position_ids`` ``[B, L, T]``
+    (integers, per head), ``attention_mask`` ``[B, L, T]`` bool (live copies) → ``y``
+    ``[B, L, T, d]`` (0 where not live). Causal by slot; a live query sees live keys at
+    slots ≤ its own."""
     dtype = x_packed.dtype
     compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
     xp = x_packed.to(compute)
     q = torch.einsum("bltd,ldu->bltu", xp, q_proj.to(compute))
     k = torch.einsum("bltd,ldu->bltu", xp, k_proj.to(compute))
     v = torch.einsum("bltd,ldu->bltu", xp, v_proj.to(compute))
-    q, k = rope_rotate(q, positions, inv_freq), rope_rotate(k, positions, inv_freq)
+    q, k = rotary_embedding(q, position_ids, inv_freq), rotary_embedding(k, position_ids, inv_freq)
+    live = attention_mask
     T = x_packed.shape[2]
     causal = torch.ones(T, T, dtype=torch.bool, device=x_packed.device).tril()
     allowed = causal & live[..., :, None] & live[..., None, :]
@@ -318,7 +273,7 @@ def mosrah_reference(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias:
     """
     B, N, _ = x.shape
     L = q_proj.shape[0]
-    live = _keep(attention_mask, B, N, x.device)
+    live = dense_keep_mask(attention_mask, B, N, x.device)
     x = sanitize_padding(x, live)
     routing = mosrah_route(x, routing_weight, expert_bias, top_k, live)
     packing = pack_experts(routing.indices, L)
@@ -338,126 +293,96 @@ def mosrah_reference(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias:
 # ----------------------------------------------------------------------------
 
 
-class _Storage:
-    """Buffers shared by a chain of caches; ``head`` is the one cache allowed to
-    append in place (every other cache copies first: beams never overwrite each other).
-    Row ``capacity`` (the last) is scratch: writes of dead copies land there."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.keys, self.values = keys, values
-        self.head: object | None = None
-
-
-@dataclass(eq=False)
 class MoSRAHCache(DecodingCache):
-    """Per-(batch, head) append-only post-RoPE keys and raw values of the live copies
-    routed there, ``[B, L, capacity (+1 scratch row), u]``, and their counts ``[B, L]``.
+    """Per-(batch, head) post-RoPE keys and raw values of the live copies routed to each
+    head, in the shared copy-on-branch storage (:class:`~laminae.primitives._cache.AppendBuffer`).
 
-    Appending returns a new cache and leaves this one valid: take several next steps
-    from one cache (beam search) and each is right. The newest cache of a chain
-    writes into the shared buffers in place; any other copies them first. Capacity
-    doubles when full, so appends are amortised O(1) and need no host sync.
-    ``tokens`` counts the positions seen (default position ids continue from it);
-    ``owner`` identifies the layer that made it.
+    ``keys``/``values`` ``[B, length, L, u]``: head ``l`` of row ``b`` holds its
+    ``counts[b, l]`` rows first, in token order; the rows after them hold nothing a
+    query reads. ``length`` counts the positions seen (each chunk of N tokens adds N
+    rows, enough for any head's share), ``live_tokens`` ``[B]`` the live ones (default
+    position ids continue from it). Appending returns a new cache and leaves this one
+    valid: several next steps from one cache (beam search) are each right. Capacity
+    doubles when full, so appends are amortised O(1) and need no host sync. Start from
+    :meth:`MoSRAH.empty_cache`; ``owner`` identifies the layer that made it.
     """
 
-    counts: torch.Tensor
-    live_tokens: torch.Tensor       # [B] live tokens seen per row (default positions continue it)
-    tokens: int
-    bound: int                      # an upper bound of every count, known without a sync
-    owner: object = field(repr=False)
-    _storage: _Storage = field(repr=False)
-
-    @classmethod
-    def empty(cls, batch: int, num_heads: int, head_dim: int, capacity: int = 16, *, owner: object = None,
-              dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> "MoSRAHCache":
-        for name, value in (("batch", batch), ("num_heads", num_heads), ("head_dim", head_dim),
-                            ("capacity", capacity)):
-            check_positive_int(name, value)
-        shape = (batch, num_heads, capacity + 1, head_dim)
-        storage = _Storage(torch.zeros(shape, dtype=dtype, device=device),
-                           torch.zeros(shape, dtype=dtype, device=device))
-        cache = cls(torch.zeros(batch, num_heads, dtype=torch.long, device=device),
-                    torch.zeros(batch, dtype=torch.long, device=device), 0, 0, owner, storage)
-        storage.head = cache
-        return cache
+    def __init__(self, buffers: AppendBuffer, counts: torch.Tensor, live_tokens: torch.Tensor,
+                 config: dict, owner: object) -> None:
+        self.buffers, self.counts, self.live_tokens = buffers, counts, live_tokens
+        self.config, self.owner = config, owner
 
     @property
     def length(self) -> int:
         """Positions seen (the protocol's token count)."""
-        return self.tokens
-
-    @property
-    def config(self) -> dict:
-        # per-head rows are scattered at data-dependent counts, which AppendBuffer's
-        # one-length-per-batch layout cannot hold; the protocol's checks still apply
-        return {"num_mosrah_heads": self.num_heads, "head_dim": self.head_dim}
+        return self.buffers.length
 
     @property
     def keys(self) -> torch.Tensor:
-        """``[B, L, capacity + 1, u]`` post-RoPE keys; rows ≥ ``counts`` are junk."""
-        return self._storage.keys
+        """``[B, length, L, u]`` post-RoPE keys; rows ≥ ``counts`` of a head hold nothing."""
+        return self.buffers.get("keys")
 
     @property
     def values(self) -> torch.Tensor:
-        return self._storage.values
+        return self.buffers.get("values")
 
     @property
     def batch(self) -> int:
         return self.counts.shape[0]
 
     @property
+    def dtype(self) -> torch.dtype:
+        return self.buffers._storage.tensors["keys"].dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.counts.device
+
+    @property
     def num_heads(self) -> int:
-        return self.counts.shape[1]
+        return self.config["num_mosrah_heads"]
 
     @property
     def head_dim(self) -> int:
-        return self.keys.shape[-1]
+        return self.config["head_dim"]
 
     @property
     def capacity(self) -> int:
-        return self.keys.shape[2] - 1
+        """Positions the current storage holds before it grows (it doubles when full)."""
+        return self.buffers.capacity
 
     def reset(self) -> None:
-        """Forget everything (this cache becomes empty and the head of its buffers)."""
+        """Forget everything (explicit, in place); the next append branches off."""
+        self.buffers = AppendBuffer(self.buffers._storage, 0)
         self.counts = torch.zeros_like(self.counts)
         self.live_tokens = torch.zeros_like(self.live_tokens)
-        self.tokens = self.bound = 0
-        self._storage.head = self
 
     def clone(self) -> "MoSRAHCache":
         """An independent copy (same owner, fresh buffers)."""
-        return self.select(torch.arange(self.batch, device=self.counts.device))
+        return MoSRAHCache(self.buffers.clone(), self.counts.clone(), self.live_tokens.clone(), dict(self.config),
+                           self.owner)
 
     def select(self, batch_index: torch.Tensor) -> "MoSRAHCache":
         """A new cache holding rows ``batch_index`` (beam reordering), all state together."""
-        storage = _Storage(self.keys.index_select(0, batch_index), self.values.index_select(0, batch_index))
-        cache = MoSRAHCache(self.counts.index_select(0, batch_index), self.live_tokens.index_select(0, batch_index),
-                            self.tokens, self.bound, self.owner, storage)
-        storage.head = cache
-        return cache
+        buffers = AppendBuffer.wrap(keys=self.keys.index_select(0, batch_index),
+                                    values=self.values.index_select(0, batch_index))
+        return MoSRAHCache(buffers, self.counts.index_select(0, batch_index),
+                           self.live_tokens.index_select(0, batch_index), dict(self.config), self.owner)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, write: torch.Tensor,
+    def append(self, keys: torch.Tensor, values: torch.Tensor, write: torch.Tensor,
                live: torch.Tensor) -> "MoSRAHCache":
-        """A cache with ``keys``/``values`` ``[B, L, T, u]`` written at rows ``rows``
-        ``[B, L, T]`` where ``write`` (live copies) is True; ``live`` ``[B, N]`` the chunk."""
-        chunk = live.shape[1]
-        bound = self.bound + chunk
-        storage = self._storage
-        if storage.head is not self or bound > self.capacity:
-            capacity = self.capacity if bound <= self.capacity else max(2 * self.capacity, bound)
-            shape = (self.batch, self.num_heads, capacity + 1, self.head_dim)
-            storage = _Storage(self.keys.new_zeros(shape), self.values.new_zeros(shape))
-            storage.keys[:, :, :self.capacity].copy_(self.keys[:, :, :self.capacity])
-            storage.values[:, :, :self.capacity].copy_(self.values[:, :, :self.capacity])
-        scratch = storage.keys.shape[2] - 1
-        idx = torch.where(write, rows, scratch)[..., None].expand(-1, -1, -1, self.head_dim)
-        storage.keys.scatter_(2, idx, keys.to(storage.keys.dtype))
-        storage.values.scatter_(2, idx, values.to(storage.values.dtype))
-        cache = MoSRAHCache(self.counts + write.sum(-1), self.live_tokens + live.sum(1), self.tokens + chunk, bound,
-                            self.owner, storage)
-        storage.head = cache
-        return cache
+        """A cache that also holds a chunk's live copies: ``keys``/``values`` ``[B, L, N, u]``
+        per head in slot order, ``write`` ``[B, L, N]`` the live ones, ``live`` ``[B, N]``
+        the chunk's keep mask. Head ``l``'s live copies go to its rows ``counts[b, l]``,
+        ``counts[b, l] + 1``, … in slot order, its other slots to the rows right after
+        them (past the new count: never read), so no two slots share a row."""
+        w = write.long()
+        live_rank = torch.cumsum(w, -1) - w
+        other_rank = torch.cumsum(1 - w, -1) - (1 - w)
+        rows = self.counts[..., None] + torch.where(write, live_rank, w.sum(-1, keepdim=True) + other_rank)
+        buffers = self.buffers.scatter(live.shape[1], rows.transpose(1, 2), keys=keys.transpose(1, 2),
+                                       values=values.transpose(1, 2))
+        return MoSRAHCache(buffers, self.counts + w.sum(-1), self.live_tokens + live.sum(1), self.config, self.owner)
 
 
 # ----------------------------------------------------------------------------
@@ -495,12 +420,14 @@ class MoSRAHRouter(nn.Module):
 
 class BottleneckedEnsembleAttention(nn.Module):
     """Per-head projections of BEA: ``q_proj``/``k_proj``/``v_proj`` ``[L, d, u]`` and
-    ``o_proj`` ``[L, u, d]``, plus the YaRN tables (non-persistent).
+    ``o_proj`` ``[L, u, d]``, plus the YaRN rotary embedding ``rotary`` (fp32
+    frequencies, not in the state dict) and its score scale ``attention_scale``.
 
     ``init="per_matrix"`` (default): Xavier-uniform per head matrix, bound √(6/(d+u));
     ``"whole_bank"``: Xavier on each 3-D bank, as the public implementation's first
     release (bounds √(6/(u(d+L))) and √(6/(d(u+L)))). ``forward(x_packed [B, L, T, d],
-    positions [B, L, T], live [B, L, T]) -> [B, L, T, d]`` runs the packed reference."""
+    attention_mask [B, L, T] = None, *, position_ids [B, L, T]) -> [B, L, T, d]`` runs
+    the packed reference (``attention_mask``: the live copies; None = every slot)."""
 
     def __init__(self, embedding_width: int, num_heads: int, head_dim: int, rope: YarnRope,
                  init: str = "per_matrix") -> None:
@@ -510,7 +437,7 @@ class BottleneckedEnsembleAttention(nn.Module):
         self.k_proj = nn.Parameter(torch.empty(L, d, u))
         self.v_proj = nn.Parameter(torch.empty(L, d, u))
         self.o_proj = nn.Parameter(torch.empty(L, u, d))
-        self.register_buffer("inv_freq", rope.inv_freq, persistent=False)
+        self.rotary = RotaryEmbedding(head_dim, inv_freq=rope.inv_freq)
         self.attention_scale = rope.attention_scale
         with torch.no_grad():
             for bank in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
@@ -520,9 +447,17 @@ class BottleneckedEnsembleAttention(nn.Module):
                     for matrix in bank:
                         nn.init.xavier_uniform_(matrix)
 
-    def forward(self, x_packed: torch.Tensor, positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        return bea_packed_reference(x_packed, positions, live, self.q_proj, self.k_proj, self.v_proj, self.o_proj,
-                                    self.inv_freq, self.attention_scale)
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """``[u/2]`` fp32 YaRN frequencies θ′ (the rotary embedding's)."""
+        return self.rotary.inv_freq
+
+    def forward(self, x_packed: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                position_ids: torch.Tensor) -> torch.Tensor:
+        if attention_mask is None:
+            attention_mask = torch.ones(x_packed.shape[:3], dtype=torch.bool, device=x_packed.device)
+        return bea_packed_reference(x_packed, position_ids, attention_mask, self.q_proj, self.k_proj, self.v_proj,
+                                    self.o_proj, self.inv_freq, self.attention_scale)
 
 
 class MoSRAH(nn.Module):
@@ -544,15 +479,17 @@ class MoSRAH(nn.Module):
         init: "per_matrix" | "whole_bank" BEA initialisation.
         backend: "auto" | "triton" | "reference".
 
-    ``forward(x, position_ids=None, attention_mask=None, cache=None) -> MoSRAHOutput``:
-    ``x`` ``[B, N, d]`` (normalised), ``position_ids`` ``[B, N]`` integers (default:
-    live-token count − 1, continuing a cache), ``attention_mask`` ``(B, N)`` keep mask.
-    Returns ``MoSRAHOutput(output [B, N, d], cache, load_balance_loss [], max_vio [])``.
-    ``cache=None`` is a training (uncached) call and returns ``cache=None``: the
-    per-head rotated keys and values a cache holds are storage the uncached kernels
-    never build, so decoding starts from :meth:`empty_cache` instead
+    ``forward(x, attention_mask=None, cache=None, *, position_ids=None) -> MoSRAHOutput``:
+    ``x`` ``[B, N, d]`` (normalised), ``attention_mask`` ``(B, N)`` keep mask,
+    ``position_ids`` ``[B, N]`` integers (default: live-token count − 1, continuing a
+    cache). Returns ``MoSRAHOutput(output [B, N, d], cache, load_balance_loss [],
+    max_vio [])``. ``cache=None`` is a training (uncached) call and returns
+    ``cache=None``: the per-head rotated keys and values a cache holds are storage the
+    uncached kernels never build, so decoding starts from :meth:`empty_cache` instead
     (docs/protocol.md). Cached calls (prefill and decode steps) run the PyTorch path
-    on either backend.
+    on either backend. The router, the projections and the attention run with
+    autocast off, in ``promote(x.dtype, float32)`` on the reference path (fp32
+    routing logits) and in ``x``'s dtype around the Triton kernels.
 
     Example::
 
@@ -606,10 +543,24 @@ class MoSRAH(nn.Module):
                 f"yarn_scale={self.inference_sequence_length / self.training_sequence_length:g}, "
                 f"backend={self.backend!r}")
 
-    def empty_cache(self, batch: int, capacity: int = 16, dtype: torch.dtype | None = None) -> MoSRAHCache:
-        """A decoding cache for this layer (``capacity`` rows per head to start; it grows)."""
-        return MoSRAHCache.empty(batch, self.num_heads, self.head_dim, capacity, owner=self._cache_owner,
-                                 dtype=dtype or self.bea.q_proj.dtype, device=self.bea.q_proj.device)
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> MoSRAHCache:
+        """An empty decoding cache for this layer: per-head rows for a few positions (the
+        storage doubles when full), stored in ``dtype`` (default: the parameters'; a
+        lower precision rounds the cached keys and values) on ``device`` (default: the
+        parameters')."""
+        check_positive_int("batch", batch)
+        weight = self.bea.q_proj
+        dtype = weight.dtype if dtype is None else dtype
+        if dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"`dtype` of a MoSRAH cache must be a float dtype, got {dtype}")
+        device = weight.device if device is None else torch.device(device)
+        tail = (self.num_heads, self.head_dim)
+        buffers = AppendBuffer.preallocate(MIN_CAPACITY, {"keys": (tail, dtype), "values": (tail, dtype)}, batch,
+                                           device)
+        return MoSRAHCache(buffers, torch.zeros(batch, self.num_heads, dtype=torch.long, device=device),
+                           torch.zeros(batch, dtype=torch.long, device=device),
+                           {"num_mosrah_heads": self.num_heads, "head_dim": self.head_dim}, self._cache_owner)
 
     def _params(self) -> tuple[torch.Tensor, ...]:
         return (self.router.routing_projection.weight, self.router.expert_bias,
@@ -625,16 +576,14 @@ class MoSRAH(nn.Module):
         check_has_tokens("x", x)
         weight = self.bea.q_proj
         check_same_device(x=x, parameters=weight, position_ids=position_ids, attention_mask=attention_mask)
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise DTypeError(f"`x` dtype must match the module parameters ({weight.dtype}) outside autocast, "
-                             f"got {x.dtype}")
+        check_param_dtype("x", x, weight)
         check_keep_mask("attention_mask", attention_mask, B, N)
         if cache is not None:
             self._check_cache(cache, x)
         if position_ids is not None:
             check_tensor("position_ids", position_ids, shape=(B, N), dtypes=(torch.int64, torch.int32),
                          layout="[batch, seq] integer positions")
-        seen = 0 if cache is None else cache.tokens
+        seen = 0 if cache is None else cache.length
         if self.rope_mode == "semantic_sequence" and seen + N > self.inference_sequence_length:
             raise ConfigError(f"{seen + N} tokens exceed inference_sequence_length="
                               f"{self.inference_sequence_length} (the YaRN limit)")
@@ -648,7 +597,7 @@ class MoSRAH(nn.Module):
         if torch.compiler.is_compiling():
             return
         if not given:
-            seen = 0 if cache is None else cache.tokens
+            seen = 0 if cache is None else cache.length
             if self.rope_mode == "semantic_sequence" or seen + position_ids.shape[1] <= self.inference_sequence_length:
                 return
         elif not (debug_checks_enabled() or position_ids.device.type == "cpu"):
@@ -664,16 +613,10 @@ class MoSRAH(nn.Module):
                 f"(the YaRN limit), got {int(position_ids.max())}")
 
     def _check_cache(self, cache, x) -> None:
-        check_cache(cache, MoSRAHCache, {"num_mosrah_heads": self.num_heads, "head_dim": self.head_dim})
+        check_cache(cache, MoSRAHCache, {"num_mosrah_heads": self.num_heads, "head_dim": self.head_dim},
+                    batch=x.shape[0], device=x.device, cache_batch=cache.batch, cache_device=cache.device)
         if cache.owner is not self._cache_owner:
             raise ConfigError("`cache` was made by another MoSRAH layer (use this layer's empty_cache())")
-        if (cache.num_heads, cache.head_dim) != (self.num_heads, self.head_dim):
-            raise ShapeError(f"`cache` must hold [batch, num_mosrah_heads={self.num_heads}, capacity, "
-                             f"head_dim={self.head_dim}], got {tuple(cache.keys.shape)}")
-        if cache.batch != x.shape[0]:
-            raise ShapeError(f"`cache` batch size must match x: expected {x.shape[0]}, got {cache.batch}")
-        if cache.keys.device != x.device:
-            raise DeviceError(f"`cache` must be on the device of x: expected {x.device}, got {cache.keys.device}")
 
     # -- forward ------------------------------------------------------------
 
@@ -684,28 +627,30 @@ class MoSRAH(nn.Module):
             count = count + cache.live_tokens[:, None]
         return (count - 1).clamp_min(0)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, cache: MoSRAHCache | None = None) -> MoSRAHOutput:
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: MoSRAHCache | None = None,
+                *, position_ids: torch.Tensor | None = None) -> MoSRAHOutput:
         if cache is not None and not isinstance(cache, MoSRAHCache):
-            raise TypeError(f"`cache` must be a MoSRAHCache or None, got {type(cache).__name__}")
+            raise TypeError(f"`cache` must be a MoSRAHCache (from MoSRAH.empty_cache) or None, "
+                            f"got {type(cache).__name__}")
         self._check_inputs(x, position_ids, attention_mask, cache)
         B, N, _ = x.shape
-        live = _keep(attention_mask, B, N, x.device)
+        live = dense_keep_mask(attention_mask, B, N, x.device)
         given = position_ids is not None
         if not given:
             position_ids = self._default_positions(live, cache)
         self._check_positions(position_ids, given, cache)
-        if cache is not None:
-            return self._cached_forward(x, position_ids, live, cache)
-        params = self._params()
-        kwargs = dict(top_k=self.top_k, inv_freq=self.bea.inv_freq, attention_scale=self.bea.attention_scale,
-                      rope_mode=self.rope_mode)
-        if resolve_backend(self.backend, x, *params) == "triton":
-            from laminae.triton_ops.mosrah import mosrah
+        with without_autocast(x.device.type):
+            if cache is not None:
+                return self._cached_forward(x, position_ids, live, cache)
+            params = self._params()
+            kwargs = dict(top_k=self.top_k, inv_freq=self.bea.inv_freq, attention_scale=self.bea.attention_scale,
+                          rope_mode=self.rope_mode)
+            if resolve_backend(self.backend, x, *params) == "triton":
+                from laminae.triton_ops.mosrah import mosrah
 
-            out, lb, vio = mosrah(x, *params, position_ids, live, **kwargs)
-        else:
-            out, lb, vio = mosrah_reference(x, *params, position_ids, live, **kwargs)
+                out, lb, vio = mosrah(x, *params, position_ids, live, **kwargs)
+            else:
+                out, lb, vio = mosrah_reference(x, *params, position_ids, live, **kwargs)
         return MoSRAHOutput(out, None, lb, vio)
 
     def _cached_forward(self, x: torch.Tensor, position_ids: torch.Tensor, live: torch.Tensor,
@@ -726,20 +671,20 @@ class MoSRAH(nn.Module):
         compute = torch.promote_types(x.dtype, torch.float32)
         xp = pack_rows(x, packing).to(compute)
         bea = self.bea
-        q = rope_rotate(torch.einsum("bltd,ldu->bltu", xp, bea.q_proj.to(compute)), positions, bea.inv_freq)
-        k = rope_rotate(torch.einsum("bltd,ldu->bltu", xp, bea.k_proj.to(compute)), positions, bea.inv_freq)
+        q = bea.rotary(torch.einsum("bltd,ldu->bltu", xp, bea.q_proj.to(compute)), positions)
+        k = bea.rotary(torch.einsum("bltd,ldu->bltu", xp, bea.k_proj.to(compute)), positions)
         v = torch.einsum("bltd,ldu->bltu", xp, bea.v_proj.to(compute))
         rows = before[..., None] + live_rank
-        new_cache = cache.append(k, v, rows, live_packed, live)
+        new_cache = cache.append(k, v, live_packed, live)
         after = new_cache.counts
         if self.cache_horizon == "live_rank":
             horizon = rows
         else:
             horizon = before[..., None] + torch.arange(N, device=x.device)
-        j = torch.arange(new_cache.keys.shape[2], device=x.device)
+        j = torch.arange(new_cache.length, device=x.device)
         allowed = ((j <= horizon[..., None]) & (j < after[..., None, None]) & live_packed[..., None])
-        z = _masked_softmax_attention(q, new_cache.keys.to(compute), new_cache.values.to(compute), allowed,
-                                      bea.attention_scale)
+        keys, values = (t.transpose(1, 2).to(compute) for t in (new_cache.keys, new_cache.values))
+        z = _masked_softmax_attention(q, keys, values, allowed, bea.attention_scale)
         y = torch.einsum("bltu,lud->bltd", z, bea.o_proj.to(compute))
         per_copy = unpack_experts(y, packing, self.top_k)
         out = torch.einsum("bnk,bnkd->bnd", routing.weights.to(compute), per_copy)

@@ -12,8 +12,8 @@ import torch
 
 from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttention, EngramModule, LucidAttention,
                                 MemoryCacheBranch, MoMRead, MoSRAH, StackMemory)
-from laminae.recipes.assembly.hybrid_attention import HybridAttention, HybridAttentionCache
-from laminae.primitives.blocks.sliding_window import SlidingWindowAttention, SlidingWindowCache
+from laminae.recipes.assembly.hybrid_attention import HybridAttention
+from laminae.primitives.blocks.sliding_window import SlidingWindowAttention
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 2, 1, 8
 
@@ -72,21 +72,13 @@ def _empty_cache(module, x):
     return module.empty_cache(x.shape[0], dtype=x.dtype, device=x.device)
 
 
-def _mosrah_call(module, x, mask, cache):
-    return module(x, attention_mask=mask, cache=cache)
-
-
-def _mosrah_start(module, x):
-    return module.empty_cache(x.shape[0], dtype=x.dtype)
-
-
-def _hybrid_call(module, x, mask, cache):
-    # SHRAM's attention sub-layer; as MoSRAH, a decoding cache starts empty
+def _routed_call(module, x, mask, cache):
+    # MoSRAH, SHRAM's sliding window and its hybrid of both: a decoding cache starts empty
     return module(x, mask, cache=cache)
 
 
-def _hybrid_start(module, x):
-    return HybridAttentionCache(SlidingWindowCache())
+def _empty_cache(module, x):
+    return module.empty_cache(x.shape[0])
 
 
 def _hybrid(backend):
@@ -95,6 +87,11 @@ def _hybrid(backend):
     sparse = MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM, training_sequence_length=32,
                     backend=backend)
     return HybridAttention(local, sparse).eval()
+
+
+def _sliding_window(backend):
+    torch.manual_seed(0)
+    return SlidingWindowAttention(HIDDEN, 2, HEAD_DIM, window_size=3, backend=backend).eval()
 
 
 def _scaled(module):
@@ -127,9 +124,10 @@ BLOCKS = [
                                                          mode="temporal", backend=be)), _memory_call,
           start=_empty_cache),
     Block("mosrah", lambda be: MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM,
-                                      training_sequence_length=32, backend=be).eval(), _mosrah_call,
-          start=_mosrah_start),
-    Block("hybrid_attention", _hybrid, _hybrid_call, start=_hybrid_start),
+                                      training_sequence_length=32, backend=be).eval(), _routed_call,
+          start=_empty_cache),
+    Block("sliding_window_attention", _sliding_window, _routed_call, start=_empty_cache),
+    Block("hybrid_attention", _hybrid, _routed_call, start=_empty_cache),
 ]
 BY_NAME = {b.name: b for b in BLOCKS}
 

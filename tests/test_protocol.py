@@ -70,7 +70,6 @@ def _takes_cache(cls) -> bool:
 # decoding modules outside tests/_blocks.py and why; a new one must join BLOCKS or this list
 NOT_IN_BLOCKS = {
     "GroupedQueryAttention": "AttentionOutput(output, cache, depth_entry); its cores are blocks",
-    "SlidingWindowAttention": "SHRAM's local path, checked through hybrid_attention",
     "DecoderModel": "a model: DecoderOutput(hidden, cache, ...), read by name",
     "CausalLM": "a model: LMOutput(logits, ...), read by name",
     "ElasticCausalLM": "a model: LMOutput",
@@ -399,7 +398,7 @@ def _layer_cases():
                                                                                                      backend=be)),
          x, lambda m, h: m(h, position_ids=torch.arange(h.shape[1])[None])),
         ("sliding_window_attention", lambda be: SlidingWindowAttention(HIDDEN, 2, 8, window_size=3, backend=be),
-         x, lambda m, h: m(h, torch.zeros(h.shape[:2], dtype=torch.long), torch.ones(h.shape[:2], dtype=torch.bool))),
+         x, lambda m, h: m(h)),
         ("hybrid_attention", hybrid.build, x, lambda m, h: hybrid.call(m, h, None, None)),
     ]
 

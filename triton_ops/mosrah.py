@@ -45,7 +45,8 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from laminae.primitives._errors import DTypeError, ShapeError
-from laminae.primitives.mosrah import _keep, mosrah_route, sanitize_padding
+from laminae.primitives._validation import dense_keep_mask
+from laminae.primitives.mosrah import mosrah_route, sanitize_padding
 
 from ._common import StaticCase, dot_precision, empty
 
@@ -379,15 +380,16 @@ _mosrah_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def mosrah_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     token: torch.Tensor, position: torch.Tensor, live: torch.Tensor, inv_freq: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     token: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention inside each varlen segment of copies (differentiable in q, k, v).
 
     Args:
         q, k, v: ``[B, N, L, u]`` projections of every (token, head) pair (pre-RoPE).
         cu_seqlens: ``[B·L + 1]`` int32 segment offsets into the copy rows.
         token: ``[B·N·K]`` int32 source row ``b·N + n`` of each copy (expert-major).
-        position: ``[B·N·K]`` int32 BEA position;  live: ``[B·N·K]`` int8 liveness.
+        position_ids: ``[B·N·K]`` int32 BEA position of each copy;  attention_mask:
+            ``[B·N·K]`` int8 keep mask of the copies (1 = live).
         inv_freq: ``[u/2]`` fp32 θ′;  scale: the score factor A/√u.
     Returns:
         ``Z`` ``[B, N, L, u]`` in q's dtype: each selected pair's attention output
@@ -398,17 +400,19 @@ def mosrah_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     head_dim = q.shape[-1]
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         raise ShapeError(f"Triton MoSRAH needs an even head_dim ≤ {MAX_HEAD_DIM}, got {head_dim}")
-    z, _ = _mosrah_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, token, position,
-                                 live, inv_freq.to(torch.float32).contiguous(), float(scale), q.shape[1])
+    z, _ = _mosrah_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, token, position_ids,
+                                 attention_mask, inv_freq.to(torch.float32).contiguous(), float(scale), q.shape[1])
     return z
 
 
-def packed_layout(indices: torch.Tensor, num_heads: int, position_ids: torch.Tensor, live: torch.Tensor,
+def packed_layout(indices: torch.Tensor, num_heads: int, position_ids: torch.Tensor, attention_mask: torch.Tensor,
                   rope_mode: str):
-    """Expert-major varlen layout of the copies (torch, no host sync).
+    """Expert-major varlen layout of the copies (torch, no host sync) for the head
+    choices ``indices`` ``[B, N, K]``, ``position_ids`` and the bool keep mask
+    ``attention_mask`` ``[B, N]``.
 
-    Returns ``(cu_seqlens [B·L+1] int32, token [B·N·K] int32, position [B·N·K] int32,
-    live [B·N·K] int8)``; see :func:`mosrah_attention`."""
+    Returns ``(cu_seqlens [B·L+1] int32, token [B·N·K] int32, position_ids [B·N·K] int32,
+    attention_mask [B·N·K] int8)``; see :func:`mosrah_attention`."""
     B, N, K = indices.shape
     flat = indices.reshape(B, N * K)
     order = torch.argsort(flat, dim=-1, stable=True)
@@ -423,7 +427,7 @@ def packed_layout(indices: torch.Tensor, num_heads: int, position_ids: torch.Ten
         position = position_ids.gather(-1, token)
     else:
         position = torch.arange(N * K, device=indices.device) - starts.gather(-1, heads)
-    copy_live = live.gather(-1, token)
+    copy_live = attention_mask.gather(-1, token)
     token = token + torch.arange(B, device=indices.device)[:, None] * N
     return (cu.to(torch.int32), token.flatten().to(torch.int32), position.flatten().to(torch.int32),
             copy_live.flatten().to(torch.int8))
@@ -440,7 +444,7 @@ def mosrah(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: torch.Ten
     B, N, d = x.shape
     L, _, u = q_proj.shape
     dtype = x.dtype
-    live = _keep(attention_mask, B, N, x.device)
+    live = dense_keep_mask(attention_mask, B, N, x.device)
     x = sanitize_padding(x, live)
     routing = mosrah_route(x, routing_weight, expert_bias, top_k, live)
     cu, token, position, copy_live = packed_layout(routing.indices, L, position_ids, live, rope_mode)
@@ -495,7 +499,8 @@ def static_cases() -> Iterator[StaticCase]:
 
 
 def tour_case(device: torch.device):
-    from laminae.primitives.mosrah import mosrah_reference, yarn_rope
+    from laminae.primitives.blocks.rotary import yarn_rope
+    from laminae.primitives.mosrah import mosrah_reference
 
     from .tour import TourCase
 

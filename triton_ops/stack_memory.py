@@ -54,6 +54,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from laminae.primitives._errors import ConfigError, DTypeError
+from laminae.primitives._validation import dense_keep_mask
 from laminae.primitives.stack_memory import stack_memory_output, stack_memory_projections
 
 from ._common import StaticCase, empty
@@ -620,12 +621,6 @@ def _scan_backward_kernel(z_ptr, p_ptr, g_ptr, keep_ptr, dr_ptr, de_ptr, carry_p
 # ----------------------------------------------------------------------------
 
 
-def _keep(attention_mask: torch.Tensor | None, batch: int, length: int, device) -> torch.Tensor:
-    if attention_mask is None:
-        return torch.ones(batch * length, dtype=torch.float32, device=device)
-    return attention_mask.reshape(-1).to(torch.float32).contiguous()
-
-
 @triton_op("laminae::stack_step", mutates_args=())
 def _stack_step_op(logits: torch.Tensor, push: torch.Tensor, stack: torch.Tensor, stack_mask: torch.Tensor,
                    gate: torch.Tensor, keep: torch.Tensor, released: bool
@@ -831,7 +826,7 @@ def stack_step(logits, push, stack, stack_mask, gate, attention_mask=None, *, re
     B, T, H, S, D = stack.shape
     _check_size(S, D)
     logits, push, stack, stack_mask, gate = _f32(logits, push, stack, stack_mask, gate)
-    keep = _keep(attention_mask, B, T, push.device)
+    keep = dense_keep_mask(attention_mask, B, T, push.device).reshape(-1).float()
     read, new_stack, new_mask, entropy = _stack_step_op(
         logits.reshape(B * T, H, 3), push.reshape(B * T, H, D), stack.reshape(B * T, H, S, D),
         stack_mask.reshape(B * T, H, S), gate, keep, read_mode == "released")
@@ -852,7 +847,7 @@ def stack_scan(logits, push, gate, attention_mask=None, initial_stack=None, init
         initial_mask = torch.zeros(B, H, num_slots, device=push.device)
     _check_size(initial_stack.shape[2], D, "temporal")
     logits, push, gate, initial_stack, initial_mask = _f32(logits, push, gate, initial_stack, initial_mask)
-    keep = _keep(attention_mask, B, T, push.device)
+    keep = dense_keep_mask(attention_mask, B, T, push.device).reshape(-1).float()
     read, entropy, final_stack, final_mask, _ = _stack_scan_op(
         logits, push, gate, keep, initial_stack, initial_mask, read_mode == "released", SCAN_CHUNK)
     return read, entropy, final_stack, final_mask

@@ -6,7 +6,7 @@ from .hyper_connections import HCOutputMix, HyperConnection, expand_streams
 from .losses import abstention_loss, cross_entropy, shift_labels, z_loss
 from .moe import GroupedSwiGLU, MoEOutput, SparseMoE
 from .norms import RMSNorm, rms_norm
-from .rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from .rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rotary_embedding, yarn_rope
 from .sliding_window import SlidingWindowAttention, SlidingWindowCache
 from .swiglu import SwiGLU
 
@@ -16,7 +16,7 @@ __all__ = [
     "abstention_loss", "cross_entropy", "shift_labels", "z_loss",
     "GroupedSwiGLU", "MoEOutput", "SparseMoE",
     "RMSNorm", "rms_norm",
-    "RotaryEmbedding", "apply_rotary", "rope_inv_freq",
+    "RotaryEmbedding", "apply_rotary", "rope_inv_freq", "rotary_embedding", "yarn_rope",
     "SlidingWindowAttention", "SlidingWindowCache",
     "SwiGLU",
 ]

@@ -8,7 +8,9 @@
 
 Visibility is by live rank, not by position (the public SHRAM implementation;
 mosrah errata E3), so holes in the mask shrink nothing: every live query sees itself
-and the ``window − 1`` previous live tokens.
+and the ``window − 1`` previous live tokens. The positions ``J`` default to the live
+rank too (continuing the cache's live count), so left padding gives the kept tokens
+the positions they would have without it.
 
 Backends: ``"triton"`` runs the flash core with a window (``triton_ops/_flash.py``)
 on uncached calls without a mask, where live rank and position coincide; masked or
@@ -21,26 +23,30 @@ O(window) whatever the length.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._backend import Backend, check_backend, resolve_backend
 from .._cache import DecodingCache, check_cache
-from .._validation import check_has_tokens, check_positive_int
-from ..mosrah import rope_rotate
+from .._errors import DTypeError, ShapeError
+from .._outputs import BlockOutput
+from .._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_param_dtype, check_positive_int,
+                           check_same_device, check_tensor, dense_keep_mask, match_activation_dtypes,
+                           without_autocast, zero_padding)
+from .rotary import RotaryEmbedding
 
 __all__ = ["SlidingWindowCache", "SlidingWindowAttention", "sliding_window_reference"]
 
 
-def sliding_window_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_live: torch.Tensor,
-                             query_live: torch.Tensor, window: int) -> torch.Tensor:
-    """``q [B, S, H, u]`` are the last S entries of the frame ``k, v [B, M, H, u]``
-    (liveness ``key_live [B, M]``; ``query_live [B, S]`` is its tail). Returns
-    ``[B, S, H, u]``; queries that see no key give 0."""
+def sliding_window_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             attention_mask: torch.Tensor | None = None, *, window: int) -> torch.Tensor:
+    """``q [B, S, H, u]`` are the last S entries of the frame ``k, v [B, M, H, u]``;
+    ``attention_mask [B, M]`` keeps the frame's live entries (the queries' own is its
+    tail; None: all live). Returns ``[B, S, H, u]``; queries that see no key give 0."""
     S, M = q.shape[1], k.shape[1]
+    key_live = dense_keep_mask(attention_mask, k.shape[0], M, k.device)
+    query_live = key_live[:, M - S:]
     rank = torch.cumsum(key_live.long(), 1) - 1                              # [B, M]
     diff = rank[:, M - S:, None] - rank[:, None, :]                          # [B, S, M]
     allowed = query_live[:, :, None] & key_live[:, None, :] & (diff >= 0) & (diff < window)
@@ -50,40 +56,64 @@ def sliding_window_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.where(seen[:, None], y, torch.zeros_like(y)).transpose(1, 2)
 
 
-@dataclass(eq=False)
 class SlidingWindowCache(DecodingCache):
-    """The retained frame: post-RoPE ``keys``/``values`` ``[B, window, H, u]`` and ``live
-    [B, window]`` (live entries first, oldest first); ``tokens`` positions seen.
-    Immutable: a step returns a new one. The frame is bounded by the window, so a step
-    costs O(window + chunk) whatever the length of the past."""
+    """The retained frame: post-RoPE ``keys``/``values`` ``[B, window, H, u]`` and
+    ``keep`` ``[B, window]`` (which slots hold a live token: live entries first, oldest
+    first); ``length`` positions seen, ``live_tokens`` ``[B]`` the live ones (default
+    positions continue from it). Immutable: a step returns a new one. The frame is
+    bounded by the window, so a step costs O(window + chunk) whatever the length of
+    the past. Start from :meth:`SlidingWindowAttention.empty_cache`."""
 
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    live: torch.Tensor | None = None
-    tokens: int = 0
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, live_tokens: torch.Tensor,
+                 length: int, config: dict) -> None:
+        self.keys, self.values, self.keep, self.live_tokens = keys, values, keep, live_tokens
+        self._length, self.config = length, config
 
     @property
     def length(self) -> int:
-        return self.tokens
+        return self._length
 
     @property
-    def config(self) -> dict:
-        if self.keys is None:
-            return {}
-        return {"window": self.keys.shape[1], "num_heads": self.keys.shape[2], "head_dim": self.keys.shape[3]}
+    def batch(self) -> int:
+        return self.keys.shape[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.keys.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
 
     def reset(self) -> None:
-        self.keys = self.values = self.live = None
-        self.tokens = 0
+        """Forget every token (explicit, in place)."""
+        self.keys, self.values = torch.zeros_like(self.keys), torch.zeros_like(self.values)
+        self.keep, self.live_tokens = torch.zeros_like(self.keep), torch.zeros_like(self.live_tokens)
+        self._length = 0
+
+    def clone(self) -> "SlidingWindowCache":
+        return SlidingWindowCache(self.keys.clone(), self.values.clone(), self.keep.clone(), self.live_tokens.clone(),
+                                  self._length, dict(self.config))
 
 
 class SlidingWindowAttention(nn.Module):
     """Local sliding-window MHA (``q_proj``/``k_proj``/``v_proj`` ``[H·u, d]``, ``o_proj``
-    ``[d, H·u]``, no bias, init N(0, 0.02²)).
+    ``[d, H·u]``, no bias, init N(0, 0.02²)) with RoPE of base ``rope_theta``.
 
-    ``forward(x [B, N, d], position_ids [B, N], live [B, N] bool, cache=None,
-    all_live=False) -> (out [B, N, d], cache)``; ``all_live`` (no mask was given) lets
-    the Triton backend run the windowed flash kernel."""
+    ``forward(x [B, N, d], attention_mask=None, cache=None, *, position_ids=None) ->
+    BlockOutput(output [B, N, d], cache)``: ``attention_mask`` ``(B, N)`` keep mask,
+    ``position_ids`` ``[B, N]`` (default: live-token count − 1, continuing the cache).
+    ``cache=None`` is an uncached call and returns ``cache=None``; decoding starts
+    from :meth:`empty_cache`. Without a mask the Triton backend runs the windowed flash
+    kernel. The projections run under autocast; the attention with autocast off.
+
+    Example::
+
+        local = SlidingWindowAttention(512, num_heads=16, head_dim=16, window_size=128)
+        out = local(x, attention_mask=keep).output
+        out, cache = local(x_prompt, cache=local.empty_cache(batch))
+        out, cache = local(x_next, cache=cache)
+    """
 
     def __init__(self, embedding_width: int, num_heads: int, head_dim: int, window_size: int,
                  rope_theta: float = 10000.0, backend: Backend = "auto") -> None:
@@ -93,7 +123,8 @@ class SlidingWindowAttention(nn.Module):
         for name, value in (("embedding_width", embedding_width), ("num_heads", num_heads),
                             ("head_dim", head_dim), ("window_size", window_size)):
             check_positive_int(name, value)
-        self.num_heads, self.head_dim, self.window = num_heads, head_dim, window_size
+        self.embedding_width, self.num_heads, self.head_dim, self.window = embedding_width, num_heads, head_dim, \
+            window_size
         inner = num_heads * head_dim
         self.q_proj = nn.Linear(embedding_width, inner, bias=False)
         self.k_proj = nn.Linear(embedding_width, inner, bias=False)
@@ -101,53 +132,87 @@ class SlidingWindowAttention(nn.Module):
         self.o_proj = nn.Linear(inner, embedding_width, bias=False)
         for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             nn.init.normal_(lin.weight, std=0.02)
-        exponent = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-        self.register_buffer("inv_freq", 1.0 / (rope_theta ** exponent), persistent=False)
+        self.rotary = RotaryEmbedding(head_dim, rope_theta)
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, head_dim={self.head_dim}, window={self.window}"
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, live: torch.Tensor,
-                cache: SlidingWindowCache | None = None,
-                all_live: bool = False) -> tuple[torch.Tensor, SlidingWindowCache | None]:
+    @property
+    def _config(self) -> dict:
+        return {"window": self.window, "num_heads": self.num_heads, "head_dim": self.head_dim}
+
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> SlidingWindowCache:
+        """An empty frame of ``window`` slots for ``batch`` rows, in ``dtype`` and on
+        ``device`` (defaults: the parameters')."""
+        check_positive_int("batch", batch)
+        weight = self.q_proj.weight
+        dtype = weight.dtype if dtype is None else dtype
+        if dtype not in FLOAT_DTYPES:
+            raise DTypeError(f"`dtype` of a sliding-window cache must be a float dtype, got {dtype}")
+        device = weight.device if device is None else torch.device(device)
+        frame = (batch, self.window, self.num_heads, self.head_dim)
+        return SlidingWindowCache(torch.zeros(frame, dtype=dtype, device=device),
+                                  torch.zeros(frame, dtype=dtype, device=device),
+                                  torch.zeros(batch, self.window, dtype=torch.bool, device=device),
+                                  torch.zeros(batch, dtype=torch.long, device=device), 0, self._config)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                cache: SlidingWindowCache | None = None, *, position_ids: torch.Tensor | None = None) -> BlockOutput:
+        check_tensor("x", x, ndim=3, layout="[batch, seq, embedding_width]")
+        B, N, d = x.shape
+        if d != self.embedding_width:
+            raise ShapeError(f"`x` last dim must be embedding_width={self.embedding_width}, got {d}")
         check_has_tokens("x", x)
-        B, N, _ = x.shape
-        shape = (B, N, self.num_heads, self.head_dim)
-        pos = position_ids[..., None].expand(shape[:-1])
-        q = rope_rotate(self.q_proj(x).view(shape), pos, self.inv_freq)
-        k = rope_rotate(self.k_proj(x).view(shape), pos, self.inv_freq)
-        v = self.v_proj(x).view(shape)
-        key, value, key_live = k, v, live
+        check_same_device(x=x, parameters=self.q_proj.weight, attention_mask=attention_mask,
+                          position_ids=position_ids)
+        check_param_dtype("x", x, self.q_proj.weight)
+        mask = check_keep_mask("attention_mask", attention_mask, B, N)
         if cache is not None:
-            check_cache(cache, SlidingWindowCache, {"window": self.window, "num_heads": self.num_heads,
-                                                    "head_dim": self.head_dim}, batch=B, device=x.device,
-                        cache_batch=None if cache.keys is None else cache.keys.shape[0],
-                        cache_device=None if cache.keys is None else cache.keys.device)
-            tokens = cache.tokens + N
-            if cache.keys is None:
-                W = self.window
-                cache = SlidingWindowCache(k.new_zeros(B, W, *shape[2:]), v.new_zeros(B, W, *shape[2:]),
-                                           torch.zeros(B, W, dtype=torch.bool, device=x.device))
-            # frame = retained ‖ chunk: O(window + N) per call
-            key = torch.cat([cache.keys.to(k.dtype), k], 1)
-            value = torch.cat([cache.values.to(v.dtype), v], 1)
-            key_live = torch.cat([cache.live, live], 1)
-            cache = self._retain(key.detach(), value.detach(), key_live)
-            cache.tokens = tokens
-        if cache is None and all_live and resolve_backend(self.backend, x, self.q_proj.weight) == "triton":
-            from laminae.triton_ops._flash import flash_attention
-
-            y = flash_attention(q, k, v, None, window=self.window)
+            if not isinstance(cache, SlidingWindowCache):
+                raise TypeError(f"`cache` must be a SlidingWindowCache (from SlidingWindowAttention.empty_cache) "
+                                f"or None, got {type(cache).__name__}")
+            check_cache(cache, SlidingWindowCache, self._config, batch=B, device=x.device, cache_batch=cache.batch,
+                        cache_device=cache.device)
+        live = dense_keep_mask(mask, B, N, x.device)
+        if position_ids is None:
+            past = 0 if cache is None else cache.live_tokens[:, None]
+            position_ids = (torch.cumsum(live.long(), 1) + past - 1).clamp_min(0)
         else:
-            y = sliding_window_reference(q, key, value, key_live, live, self.window)
-        return self.o_proj(y.reshape(B, N, -1)), cache
+            check_tensor("position_ids", position_ids, shape=(B, N), dtypes=(torch.int64, torch.int32),
+                         layout="[batch, seq] integer positions")
+        # padding contents never reach live rows, even as 0·NaN inside a masked product
+        (x,) = zero_padding(mask, x)
+        shape = (B, N, self.num_heads, self.head_dim)
+        q = self.rotary(self.q_proj(x).view(shape), position_ids)
+        k = self.rotary(self.k_proj(x).view(shape), position_ids)
+        v = self.v_proj(x).view(shape)
+        with without_autocast(x.device.type):
+            if cache is not None:
+                # frame = retained ‖ chunk: O(window + N) per call
+                q, k, v, cached_keys, cached_values = match_activation_dtypes(
+                    q=q, k=k, v=v, cached_keys=cache.keys, cached_values=cache.values)
+                key, value = torch.cat([cached_keys, k], 1), torch.cat([cached_values, v], 1)
+                frame_keep = torch.cat([cache.keep, live], 1)
+                cache = self._retain(cache, key.detach(), value.detach(), frame_keep, live)
+                y = sliding_window_reference(q, key, value, frame_keep, window=self.window)
+            elif mask is None and resolve_backend(self.backend, x, self.q_proj.weight) == "triton":
+                from laminae.triton_ops._flash import flash_attention
 
-    def _retain(self, key, value, live) -> SlidingWindowCache:
-        """The last ``window`` live entries of the frame, in order, then dead slots."""
-        M = live.shape[1]
-        after = torch.flip(torch.cumsum(torch.flip(live.long(), [1]), 1), [1])   # live entries at or after j
-        keep = live & (after <= self.window)
-        idx = torch.arange(M, device=live.device).expand_as(live)
-        order = torch.argsort(torch.where(keep, idx, idx + M), dim=1)[:, :self.window]
+                y = flash_attention(q, k, v, None, window=self.window)
+            else:
+                y = sliding_window_reference(q, k, v, live, window=self.window)
+        return BlockOutput(self.o_proj(y.reshape(B, N, -1)), cache)
+
+    def _retain(self, cache: SlidingWindowCache, key, value, keep, live) -> SlidingWindowCache:
+        """The last ``window`` live entries of the frame, in order, then dead slots, in
+        the cache's dtype."""
+        M = keep.shape[1]
+        after = torch.flip(torch.cumsum(torch.flip(keep.long(), [1]), 1), [1])   # live entries at or after j
+        kept = keep & (after <= self.window)
+        idx = torch.arange(M, device=keep.device).expand_as(keep)
+        order = torch.argsort(torch.where(kept, idx, idx + M), dim=1)[:, :self.window]
         gather = order[..., None, None].expand(-1, -1, *key.shape[2:])
-        return SlidingWindowCache(key.gather(1, gather), value.gather(1, gather), keep.gather(1, order))
+        return SlidingWindowCache(key.gather(1, gather).to(cache.dtype), value.gather(1, gather).to(cache.dtype),
+                                  kept.gather(1, order), cache.live_tokens + live.sum(1), cache.length + live.shape[1],
+                                  cache.config)

@@ -35,34 +35,21 @@ from laminae.primitives._validation import (check_choice, check_context, check_h
                                             check_positive_int, check_tensor)
 from laminae.primitives.blocks.gqa import KVCache, sdpa_core
 from laminae.primitives.blocks.norms import RMSNorm, rms_norm
+from laminae.primitives.blocks.rotary import RotaryEmbedding, apply_rotary
 from laminae.primitives.shared_matrix import ElasticTiers, SharedMatrix, extract_tier
 
 from .decoder import DecoderCache, LMOutput
 
-__all__ = ["ROPE_PRECISIONS", "elastic_rope_tables", "ElasticAttention", "ElasticMLP", "ElasticLayer",
+__all__ = ["ROPE_PRECISIONS", "ElasticAttention", "ElasticMLP", "ElasticLayer",
            "ElasticCausalLM"]
 
 ROPE_PRECISIONS = ("bfloat16", "float32")
 
 
-def elastic_rope_tables(positions: torch.Tensor, head_dim: int, theta: float, precision: str,
-                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate-half ``(cos, sin)`` ``[S, head_dim]`` for integer ``positions [S]``.
-    ``"bfloat16"`` rounds the positions, the frequencies, their product and the cosine
-    and sine to bf16 (the seed's default, whatever the compute dtype)."""
-    freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    pos = positions.float()
-    if precision == "bfloat16":
-        ang = torch.outer(pos.bfloat16().float(), freq.bfloat16().float()).bfloat16().float()
-        ang = torch.cat([ang, ang], -1)
-        return ang.cos().bfloat16().to(dtype), ang.sin().bfloat16().to(dtype)
-    ang = torch.cat([torch.outer(pos, freq)] * 2, -1)
-    return ang.cos().to(dtype), ang.sin().to(dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos[None, :, None] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[None, :, None]
+# rope_precision → the one RoPE's precision options; "bfloat16" rounds the positions, the
+# frequencies, their product and the cosine and sine to bf16 (the seed's default,
+# whatever the compute dtype)
+_ROPE_OPTIONS = {"bfloat16": dict(angle_dtype=torch.bfloat16, table_dtype=torch.bfloat16), "float32": {}}
 
 
 class _TierLinear:
@@ -100,7 +87,7 @@ class ElasticAttention(nn.Module):
         k = rms_norm(linear("attn.k_proj", self.k_proj, x), self.k_norm.weight[:n], self.eps,
                      group_size=self.head_dim).view(shape)
         v = linear("attn.v_proj", self.v_proj, x).view(shape)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         attention_mask = keep
         if decoding:
             # the library's one KV cache (primitives/_cache.py), tied to this tier's signature
@@ -187,6 +174,7 @@ class ElasticCausalLM(nn.Module):
         self.layers = nn.ModuleList(ElasticLayer(tiers, self.eps, init_trainable=init_trainable, backend=backend)
                                     for _ in range(num_layers))
         self.norm = RMSNorm(tiers.hidden_size, self.eps)
+        self.rotary = RotaryEmbedding(tiers.head_dim, self.rope_theta, **_ROPE_OPTIONS[rope_precision])
         self.lm_head = tiers.shared_matrix("lm_head", vocab_size=vocab_size, init_trainable=init_trainable,
                                            backend=backend)
         if base_init:
@@ -240,9 +228,7 @@ class ElasticCausalLM(nn.Module):
         n, S = self.tiers.width(tier), input_ids.shape[1]
         keep = None if attention_mask is None else attention_mask.bool()
         x = self.embed_tokens(input_ids)[..., :n]
-        positions = torch.arange(past, past + S, device=input_ids.device)
-        cos, sin = elastic_rope_tables(positions, self.tiers.head_dim, self.rope_theta, self.rope_precision,
-                                       x.dtype)
+        cos, sin = self.rotary.cos_sin(torch.arange(past, past + S, device=input_ids.device)[None])
         linear, sig = _TierLinear(self.tiers, tier), self.signature(tier)
         slots = cache.slots if cache is not None and cache.slots else (None,) * len(self.layers)
         new_slots = []

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from laminae.primitives.mosrah import MoSRAH, rope_rotate
+from laminae.primitives.blocks.rotary import rotary_embedding
+from laminae.primitives.mosrah import MoSRAH
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "seed_parity"
 SPARSE = "attention.sparse_attention."
@@ -42,7 +43,7 @@ def _local(a, w, prefix, cfg):
     q, k, v = ((a @ w[prefix + f"{n}_proj.weight"].t()).view(B, N, heads, u) for n in "qkv")
     inv = 1.0 / (cfg["local_rope_theta"] ** (torch.arange(0, u, 2, dtype=torch.float32) / u))
     pos = torch.arange(N)[None, :, None].expand(B, N, heads)
-    q, k = rope_rotate(q, pos, inv), rope_rotate(k, pos, inv)
+    q, k = rotary_embedding(q, pos, inv), rotary_embedding(k, pos, inv)
     dist = torch.arange(N)[:, None] - torch.arange(N)[None, :]
     ok = (dist >= 0) & (dist < cfg["window_size"])
     s = torch.einsum("bnhu,bmhu->bhnm", q, k) / math.sqrt(u)

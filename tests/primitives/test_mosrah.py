@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, strategies as st
 
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
-from laminae.primitives.mosrah import (MoSRAH, MoSRAHCache, load_balance_loss, mosrah_reference, mosrah_route,
-                                       pack_experts, pack_rows, unpack_experts, yarn_rope)
+from laminae.primitives.blocks.rotary import rotary_embedding, yarn_rope
+from laminae.primitives.mosrah import (MoSRAH, bea_packed_reference, load_balance_loss, mosrah_reference,
+                                       mosrah_route, pack_experts, pack_rows, unpack_experts)
 
 from . import _shram_tiny
 from .._helpers import host_reads
@@ -247,10 +248,9 @@ def test_all_heads_reduces_to_mha_mixed_by_router_probabilities():
     N, u = 6, 16
     pos = torch.arange(N)
     total = torch.zeros_like(out)
-    from laminae.primitives.mosrah import rope_rotate
     for l in range(3):
-        q = rope_rotate(x @ m.bea.q_proj[l], pos.expand(2, N), m.bea.inv_freq)
-        k = rope_rotate(x @ m.bea.k_proj[l], pos.expand(2, N), m.bea.inv_freq)
+        q = rotary_embedding(x @ m.bea.q_proj[l], pos.expand(2, N), m.bea.inv_freq)
+        k = rotary_embedding(x @ m.bea.k_proj[l], pos.expand(2, N), m.bea.inv_freq)
         s = (q @ k.transpose(1, 2)) * m.bea.attention_scale
         s = s.masked_fill(~torch.ones(N, N, dtype=torch.bool).tril(), float("-inf"))
         z = torch.softmax(s, -1) @ (x @ m.bea.v_proj[l])
@@ -314,8 +314,8 @@ def test_main_sequence_is_relative():
 # ----------------------------------------------------------------------------
 
 
-def _decode(m, x, prefill, mask=None, capacity=2):
-    cache = m.empty_cache(x.shape[0], capacity=capacity)
+def _decode(m, x, prefill, mask=None):
+    cache = m.empty_cache(x.shape[0])
     outs = []
     step = m(x[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], cache=cache)
     outs.append(step.output)
@@ -337,7 +337,7 @@ def test_prefill_then_decode_equals_forward(rope_mode, prefill):
     assert (dec - full).abs().max() <= 1e-5
     routed = torch.zeros(2, 5, dtype=torch.long).scatter_add_(
         1, m.router(x).indices.reshape(2, -1), torch.ones(2, 24, dtype=torch.long))
-    assert torch.equal(cache.counts, routed) and cache.tokens == 12
+    assert torch.equal(cache.counts, routed) and cache.length == 12
 
 
 def test_padded_prefill_decodes_like_the_forward_with_live_rank_horizon():
@@ -378,12 +378,12 @@ def test_semantic_positions_after_a_padded_prefill_follow_the_live_count():
 def test_cache_is_not_mutated_and_beams_branch():
     m = _module(L=4, K=2)
     x = torch.randn(2, 8, 24)
-    cache = m(x[:, :6], cache=m.empty_cache(2, capacity=6)).cache
+    cache = m(x[:, :6], cache=m.empty_cache(2)).cache
     counts = cache.counts.clone()
     a = m(x[:, 6:7], cache=cache)
     other = torch.randn(2, 1, 24)
     b = m(other, cache=cache)                       # a second beam from the same cache
-    assert torch.equal(cache.counts, counts) and cache.tokens == 6
+    assert torch.equal(cache.counts, counts) and cache.length == 6
     again = m(x[:, 6:7], cache=cache)
     torch.testing.assert_close(again.output, a.output, atol=0, rtol=0)
     torch.testing.assert_close(b.output, m(torch.cat([x[:, :6], other], 1)).output[:, 6:], atol=1e-5, rtol=0)
@@ -392,15 +392,57 @@ def test_cache_is_not_mutated_and_beams_branch():
     swapped = cache.select(torch.tensor([1, 0]))
     torch.testing.assert_close(m(x[[1, 0], 6:7], cache=swapped).output, a.output[[1, 0]], atol=1e-6, rtol=0)
     a.cache.reset()
-    assert a.cache.tokens == 0 and int(a.cache.counts.sum()) == 0
+    assert a.cache.length == 0 and int(a.cache.counts.sum()) == 0
 
 
 def test_cache_grows_by_doubling():
     m = _module(L=2, K=2)
-    x = torch.randn(1, 9, 24)
-    _, cache = _decode(m, x, 1, capacity=1)
-    assert cache.capacity >= 9 and cache.capacity in (16, 9)
-    torch.testing.assert_close(_decode(m, x, 1, capacity=1)[0], m(x).output, atol=1e-5, rtol=0)
+    x = torch.randn(1, 20, 24)
+    dec, cache = _decode(m, x, 1)
+    assert cache.length == 20 and cache.capacity == 32              # 16 preallocated, doubled once
+    torch.testing.assert_close(dec, m(x).output, atol=1e-5, rtol=0)
+
+
+def test_cache_rows_of_one_chunk_never_collide():
+    """A chunk's live copies land at each head's count in slot order, its other slots
+    right after them: every slot has its own row, so the scatter has one writer per
+    row (with duplicates a GPU scatter picks a writer at random)."""
+    cache = _module(L=2, K=1).empty_cache(1)
+    keys = torch.arange(2 * 4 * 16, dtype=torch.float32).reshape(1, 2, 4, 16)         # [B, L, N, u]
+    write = torch.tensor([[[False, True, False, True], [True, True, False, False]]])
+    new = cache.append(keys, -keys, write, torch.ones(1, 4, dtype=torch.bool))
+    assert new.counts.tolist() == [[2, 2]] and new.length == 4
+    for head in range(2):
+        order = torch.cat([write[0, head].nonzero().flatten(), (~write[0, head]).nonzero().flatten()])
+        torch.testing.assert_close(new.keys[0, :, head], keys[0, head, order], atol=0, rtol=0)
+        torch.testing.assert_close(new.values[0, :, head], -keys[0, head, order], atol=0, rtol=0)
+
+
+def test_empty_cache_takes_dtype_and_device_by_keyword():
+    m = _module()
+    cache = m.empty_cache(2)
+    assert (cache.length, cache.batch, cache.dtype, cache.device) == (0, 2, torch.float32, torch.device("cpu"))
+    assert cache.keys.shape == (2, 0, 5, 16) and cache.config == {"num_mosrah_heads": 5, "head_dim": 16}
+    low = m.empty_cache(2, dtype=torch.bfloat16, device="cpu")
+    out = m(torch.randn(2, 3, 24), cache=low)
+    assert out.cache.dtype == torch.bfloat16 and out.cache.keys.shape == (2, 3, 5, 16)
+    with pytest.raises(TypeError):
+        m.empty_cache(2, torch.float32)                             # dtype is keyword-only
+    with pytest.raises(DTypeError, match="dtype"):
+        m.empty_cache(2, dtype=torch.int64)
+    with pytest.raises(ConfigError, match="batch"):
+        m.empty_cache(0)
+
+
+def test_bea_module_runs_the_packed_reference():
+    m = _module(L=3, K=2)
+    x = torch.randn(2, 3, 4, 24)
+    pos = torch.randint(0, 8, (2, 3, 4))
+    keep = torch.rand(2, 3, 4) > 0.3
+    want = bea_packed_reference(x, pos, keep, m.bea.q_proj, m.bea.k_proj, m.bea.v_proj, m.bea.o_proj,
+                                m.bea.inv_freq, m.bea.attention_scale)
+    torch.testing.assert_close(m.bea(x, keep, position_ids=pos), want, atol=0, rtol=0)
+    torch.testing.assert_close(m.bea(x, position_ids=pos), m.bea(x, torch.ones_like(keep), position_ids=pos))
 
 
 # ----------------------------------------------------------------------------
@@ -409,12 +451,17 @@ def test_cache_grows_by_doubling():
 
 
 def test_autocast_cpu_bfloat16():
+    """MoSRAH's own math runs with autocast off (the cast policy): an fp32 input gives
+    the fp32 result under autocast too (fp32 routing logits), a bf16 one is computed
+    in fp32 and returned in bf16."""
     m = _module()
     x = torch.randn(2, 5, 24)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = m(x)
-    assert torch.isfinite(out.output).all()
-    torch.testing.assert_close(out.output.float(), m(x).output, atol=5e-2, rtol=5e-2)
+        low = m(x.bfloat16())
+    torch.testing.assert_close(out.output, m(x).output, atol=0, rtol=0)
+    assert low.output.dtype == torch.bfloat16 and torch.isfinite(low.output).all()
+    torch.testing.assert_close(low.output.float(), m(x).output, atol=5e-2, rtol=5e-2)
 
 
 def test_upcast_false_keeps_the_dtype():
@@ -497,7 +544,7 @@ def test_cache_errors():
         m(x, cache=other.empty_cache(2))
     with pytest.raises(ShapeError, match="batch"):
         m(x, cache=m.empty_cache(3))
-    foreign = MoSRAHCache.empty(2, 3, 16, owner=m._cache_owner)
+    foreign = MoSRAH(16, 3, 2, 16, training_sequence_length=32).empty_cache(2)
     with pytest.raises(ConfigError, match="num_mosrah_heads"):   # the protocol: a cache of another configuration
         m(x, cache=foreign)
     with pytest.raises(TypeError, match="MoSRAHCache"):

@@ -1,6 +1,7 @@
 """SHRAM beyond the shared seed-parity harness: the loss parts and MaxVio against the
-seed, padding and mask holes through the cache (errata E1/E3 resolutions), the local
-window itself, semantic positions, tied embeddings and the config rules."""
+seed, padding and mask holes through the cache (errata E1/E3 resolutions), semantic
+positions, tied embeddings and the config rules (the local window itself:
+tests/primitives/blocks/test_sliding_window.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,6 @@ import torch
 
 from laminae.primitives import ConfigError
 from laminae.recipes.assembly.decoder import DecoderCache
-from laminae.primitives.blocks.sliding_window import SlidingWindowAttention, SlidingWindowCache
 from laminae.recipes import shram
 
 from ._harness import LOGIT_ATOL, _files, build_loaded, relative_gradient_errors
@@ -67,41 +67,6 @@ def test_left_padding_gives_kept_tokens_their_unpadded_positions():
         torch.testing.assert_close(model(padded, keep).logits[:, 3:], model(ids).logits, atol=1e-5, rtol=0)
 
 
-def _reference_window(layer, x, live):
-    """Brute force over live ranks, one query at a time."""
-    B, N, _ = x.shape
-    pos = (torch.cumsum(live.long(), 1) - 1).clamp_min(0)
-    out = torch.zeros(B, N, x.shape[-1])
-    for b in range(B):
-        idx = live[b].nonzero().flatten()
-        for r, n in enumerate(idx.tolist()):
-            keys = idx[max(0, r - layer.window + 1):r + 1]
-            y, _ = layer(x[b:b + 1, keys], pos[b:b + 1, keys], torch.ones(1, len(keys), dtype=torch.bool))
-            out[b, n] = y[0, -1]
-    return out
-
-
-def test_sliding_window_sees_itself_and_the_previous_window_minus_one_live_tokens():
-    torch.manual_seed(0)
-    layer = SlidingWindowAttention(16, 2, 8, window_size=3)
-    x = torch.randn(2, 9, 16)
-    live = torch.ones(2, 9, dtype=torch.bool)
-    live[0, :2] = False
-    live[1, 3:5] = False
-    got, _ = layer(x, (torch.cumsum(live.long(), 1) - 1).clamp_min(0), live)
-    want = _reference_window(layer, x, live)
-    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
-    assert got[~live].abs().max() == 0
-    # decoding token by token keeps exactly the last `window` live entries
-    cache, steps = SlidingWindowCache(), []
-    pos = (torch.cumsum(live.long(), 1) - 1).clamp_min(0)
-    for t in range(9):
-        y, cache = layer(x[:, t:t + 1], pos[:, t:t + 1], live[:, t:t + 1], cache)
-        steps.append(y)
-    torch.testing.assert_close(torch.cat(steps, 1), got, atol=1e-6, rtol=0)
-    assert cache.keys.shape[1] == 3
-
-
 def test_padding_nan_never_reaches_kept_positions():
     torch.manual_seed(0)
     model = shram.build(shram.CONFIG(**TINY), backend="reference").eval()
@@ -116,6 +81,32 @@ def test_padding_nan_never_reaches_kept_positions():
         b = attn(x_nan, keep)[0]
     torch.testing.assert_close(b[keep], a[keep], atol=0, rtol=0)
     assert torch.isfinite(model(ids, keep).logits).all()
+
+
+def test_hybrid_attention_positions_and_empty_cache():
+    """Both paths default to the live rank J (continuing their caches); explicit
+    position_ids reach both; decoding starts from empty_cache."""
+    torch.manual_seed(0)
+    attn = shram.build(shram.CONFIG(**TINY), backend="reference").model.layers[0].attention.eval()
+    x = torch.randn(2, 7, 32)
+    keep = torch.ones(2, 7, dtype=torch.bool)
+    keep[0, :2] = False
+    rank = (torch.cumsum(keep.long(), 1) - 1).clamp_min(0)
+    with torch.no_grad():
+        out = attn(x, keep)
+        assert out.cache is None
+        torch.testing.assert_close(attn(x, keep, position_ids=rank).output, out.output, atol=0, rtol=0)
+        x0, spread = torch.where(keep[..., None], x, 0.0), 2 * rank
+        both = (attn.local_attention(x0, keep, position_ids=spread).output
+                + attn.sparse_attention(x0, keep, position_ids=spread).output)
+        torch.testing.assert_close(attn(x, keep, position_ids=spread).output, both, atol=0, rtol=0)
+        assert (both - out.output).abs().max() > 1e-4
+        cache = attn.empty_cache(2, dtype=torch.float64)
+        assert (cache.length, cache.local.dtype, cache.sparse.dtype) == (0, torch.float64, torch.float64)
+        first = attn(x[:, :4], keep[:, :4], attn.empty_cache(2))
+        step = attn(x[:, 4:], keep[:, 4:], first.cache)
+    assert first.cache.length == 4 and step.cache.length == 7
+    torch.testing.assert_close(torch.cat([first.output, step.output], 1)[keep], out.output[keep], atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("rope_mode", ["main_sequence", "semantic_sequence"])
@@ -175,32 +166,6 @@ def test_tour_parity_line():
 
     r = check("shram_tiny_yarn", "reference")
     assert r["ok"] and r["logits"] <= LOGIT_ATOL and r["decode"] <= 1e-5
-
-
-@pytest.mark.parametrize("length,window", [(1, 3), (7, 3), (9, 16)])
-def test_local_path_on_the_flash_kernel_matches_the_reference(length, window, monkeypatch):
-    import laminae.triton_ops._flash as flash
-
-    calls = []
-    real = flash.flash_attention
-    monkeypatch.setattr(flash, "flash_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    torch.manual_seed(0)
-    ref = SlidingWindowAttention(16, 2, 8, window_size=window, backend="reference")
-    tri = SlidingWindowAttention(16, 2, 8, window_size=window, backend="triton")
-    tri.load_state_dict(ref.state_dict())
-    x = torch.randn(2, length, 16, requires_grad=True)
-    pos = torch.arange(length).expand(2, length)
-    live = torch.ones(2, length, dtype=torch.bool)
-    grad = torch.randn(2, length, 16)
-    outs = []
-    for layer in (ref, tri):
-        x.grad = None
-        y, _ = layer(x, pos, live, all_live=True)
-        y.backward(grad)
-        outs.append((y.detach(), x.grad.clone(), layer.q_proj.weight.grad.clone(), layer.v_proj.weight.grad.clone()))
-    assert calls, "the Triton backend did not run the flash kernel"
-    for a, b in zip(*outs):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
 def test_tour_recipes_option_prints_the_parity_lines(monkeypatch, capsys):

@@ -7,7 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from laminae.primitives import DTypeError, ShapeError
-from laminae.primitives.mosrah import MoSRAH, mosrah_reference, yarn_rope
+from laminae.primitives.blocks.rotary import yarn_rope
+from laminae.primitives.mosrah import MoSRAH, mosrah_reference
 from laminae.triton_ops._parity import parity
 from laminae.triton_ops.mosrah import (Tiles, _mosrah_attention_fwd, mosrah, mosrah_attention, packed_layout,
                                        tour_case)

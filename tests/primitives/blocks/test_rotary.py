@@ -3,7 +3,9 @@ import torch
 from hypothesis import given, strategies as st
 
 from laminae.primitives import ConfigError, ShapeError
-from laminae.primitives.blocks.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
+from laminae.primitives.blocks.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq, rotary_embedding, yarn_rope
+
+from .. import _elastic_model
 
 
 def rotate_half_reference(x, positions, dim, theta):
@@ -72,3 +74,53 @@ def test_positions_past_the_tables_are_a_shape_error_in_debug_mode(monkeypatch):
     with pytest.raises(ShapeError, match=r"max_positions=4\) \(the rotary tables\), got \[0, 4\]"):
         rope(x, torch.arange(5)[None])
     rope(x[:, :4], torch.arange(4)[None])
+
+
+def _rotate_half_fp32_angles(x, positions, inv_freq):
+    """The rotation MoSRAH and the sliding window had: fp32 angles, cos/sin cast to x's
+    dtype, ``x·cos + [−x_b, x_a]·sin``, positions one per row of x."""
+    angle = positions.to(torch.float32)[..., None] * inv_freq.to(torch.float32)
+    angle = torch.cat([angle, angle], dim=-1)
+    cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_per_row_positions_give_the_routed_heads_rotation_bitwise(dtype):
+    """One RoPE for every caller: MoSRAH's YaRN frequencies with per-head positions
+    ``[B, L, T]`` and per-token positions shared by the heads, bit for bit the rotation
+    MoSRAH and the sliding window computed before."""
+    inv = yarn_rope(16, 10000.0, 64, 256, 1.0, 8.0).inv_freq
+    x = torch.randn(2, 3, 5, 16).to(dtype)
+    per_head = torch.randint(0, 300, (2, 3, 5))
+    want = _rotate_half_fp32_angles(x, per_head, inv)
+    torch.testing.assert_close(RotaryEmbedding(16, inv_freq=inv)(x, per_head), want, atol=0, rtol=0)
+    torch.testing.assert_close(rotary_embedding(x, per_head, inv), want, atol=0, rtol=0)
+    per_token = torch.randint(0, 300, (2, 3))
+    torch.testing.assert_close(RotaryEmbedding(16, inv_freq=inv)(x, per_token),
+                               _rotate_half_fp32_angles(x, per_token[..., None].expand(2, 3, 5), inv), atol=0, rtol=0)
+    with pytest.raises(ShapeError, match="position_ids"):
+        RotaryEmbedding(16)(x, torch.zeros(2, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bf16_angles_are_shell_elastics_seed_rotation_bitwise(dtype):
+    x = torch.randn(2, 11, 3, 8).to(dtype)
+    rope = RotaryEmbedding(8, 10000.0, angle_dtype=torch.bfloat16, table_dtype=torch.bfloat16)
+    want = _elastic_model.rotate(x, *_elastic_model.rotary(11, 8, 10000.0, "bfloat16", dtype))
+    torch.testing.assert_close(rope(x, torch.arange(11)[None]), want, atol=0, rtol=0)
+    plain = _elastic_model.rotate(x, *_elastic_model.rotary(11, 8, 10000.0, "float32", dtype))
+    torch.testing.assert_close(RotaryEmbedding(8, 10000.0)(x, torch.arange(11)[None]), plain, atol=0, rtol=0)
+
+
+def test_frequencies_stay_fp32_when_the_module_is_cast():
+    """A bf16 frequency puts position 1000 up to ~2 rad off; a dtype cast of the model
+    leaves the frequencies as they are (persistent tables follow the cast)."""
+    inv = yarn_rope(16, 10000.0, 64, 256).inv_freq
+    for cast in (torch.bfloat16, torch.float64):
+        rope = RotaryEmbedding(16, inv_freq=inv, max_positions=8).to(cast)
+        assert rope.inv_freq.dtype == torch.float32 and torch.equal(rope.inv_freq, inv)
+        assert rope.cos_cache.dtype == cast
+    with pytest.raises(ConfigError, match="angle_dtype"):
+        RotaryEmbedding(8, angle_dtype=torch.int32)
