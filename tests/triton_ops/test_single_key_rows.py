@@ -111,7 +111,7 @@ def _memory_caching(gen):
     G = 4
     inputs = {n: 0.5 * torch.randn(B, S, H, D, generator=gen) for n in ("q", "k", "v")}
     inputs.update(u=0.5 * torch.randn(B, S, G, generator=gen), p=0.5 * torch.randn(B, S, G, generator=gen),
-                  segment_len=4, mask=_keep())
+                  segment_len=4, attention_mask=_keep())
     return memory_caching, memory_caching_reference, inputs, _rows()
 
 
