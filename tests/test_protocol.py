@@ -6,6 +6,7 @@ import copy
 import importlib
 import inspect
 import math
+import typing
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigErr
                                 DTypeError, EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL,
                                 MoMRead, MoSRAH, ShapeError, SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend,
                                 use_backend)
+from laminae.primitives import _mechanisms as mechanisms
 from laminae.primitives._errors import DeviceError
 from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.primitives.laurel import laurel_reference
@@ -60,6 +62,63 @@ def test_forward_returns_output_then_cache(block):
     assert type(step) is type(first) and torch.is_tensor(step[0]) and step[0].shape[:2] == (2, 1)
     assert isinstance(step[1], DecodingCache) and step[1] is not cache and step[1].length == 6
     assert cache.length == 5
+
+
+# The contract table of docs/protocol.md, per kind of module: the positional
+# parameters after ``self`` (every other one keyword-only), and the fields a NamedTuple
+# return starts with (None: a bare tensor is the only return)
+POSITIONAL_RULES = {
+    mechanisms.CORE: [("q", "k", "v", "attention_mask", "cache")],
+    mechanisms.SEQUENCE: [("x", "attention_mask", "cache")],
+    mechanisms.TOKEN: [("input_ids",), ("input_ids", "attention_mask")],
+    mechanisms.POSITION_WISE: [(None,), (None, "attention_mask")],      # None: the activation, any name
+    mechanisms.STREAMS: [("x", "y")],
+}
+RETURN_FIELDS = {mechanisms.CORE: ("output", "cache"), mechanisms.SEQUENCE: ("output", "cache"),
+                 mechanisms.TOKEN: None, mechanisms.POSITION_WISE: ("output",), mechanisms.STREAMS: ("x", "y")}
+# a routing decision, not an activation: MoSRAH's router returns Routing(indices, weights, ...)
+RETURN_EXCEPTIONS = {"MoSRAHRouter"}
+DECLARED_MODULES = [(m.stem, name, kind) for m in mechanisms.MECHANISMS for name, kind in m.modules.items()]
+
+
+def _contract_violations(cls, kind) -> list[str]:
+    wrong = []
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+    others = [p for p in params if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if positional != tuple(params[i].name for i in range(len(positional))) or others:
+        wrong.append(f"forward{inspect.signature(cls.forward)}: only keyword-only parameters after the positional ones")
+    if not any(len(rule) == len(positional) and all(r in (None, p) for r, p in zip(rule, positional))
+               for rule in POSITIONAL_RULES[kind]):
+        wrong.append(f"positional {positional}, the rule is one of {POSITIONAL_RULES[kind]}")
+    for p in params:
+        if p.name in ("attention_mask", "cache") and p.default is not None:
+            wrong.append(f"`{p.name}` defaults to {p.default!r}, not None")
+    decodes = kind in mechanisms.DECODING_KINDS
+    if ("cache" in [p.name for p in params]) != decodes or hasattr(cls, "empty_cache") != decodes:
+        wrong.append("a cache parameter and empty_cache exactly when the kind decodes")
+    if decodes:
+        start = list(inspect.signature(cls.empty_cache).parameters.values())[1:]
+        if [(p.name, p.kind, p.default) for p in start] != [
+                ("batch", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
+                ("dtype", inspect.Parameter.KEYWORD_ONLY, None), ("device", inspect.Parameter.KEYWORD_ONLY, None)]:
+            wrong.append(f"empty_cache{inspect.signature(cls.empty_cache)}, not (batch, *, dtype=None, device=None)")
+    returns = typing.get_type_hints(cls.forward).get("return")
+    fields = RETURN_FIELDS[kind]
+    if cls.__name__ not in RETURN_EXCEPTIONS and returns is not torch.Tensor and (
+            fields is None or getattr(returns, "_fields", ())[:len(fields)] != fields):
+        wrong.append(f"returns {returns}, not a NamedTuple starting with {fields}"
+                     + ("" if decodes else " or a tensor"))
+    return wrong
+
+
+@pytest.mark.parametrize("stem, name, kind", DECLARED_MODULES, ids=[n for _, n, _ in DECLARED_MODULES])
+def test_every_declared_module_follows_the_contract_of_its_kind(stem, name, kind):
+    """docs/protocol.md's contract table, read from the signatures: one argument order
+    per kind of block, keyword-only side inputs, ``empty_cache(batch, *, dtype=None,
+    device=None)`` exactly on the decoding blocks, ``output`` (and ``cache``) first."""
+    cls = getattr(importlib.import_module(f"laminae.primitives.{stem}"), name)
+    assert not _contract_violations(cls, kind), _contract_violations(cls, kind)
 
 
 def _takes_cache(cls) -> bool:
@@ -425,10 +484,16 @@ def test_an_input_without_tokens_is_refused_by_every_block(backend):
     assert not wrong, "\n".join(map(str, wrong))
 
 
-def test_every_mechanism_has_a_tiny_case():
-    from laminae.triton_ops.tour import MECHANISMS
+def test_the_tiny_cases_and_blocks_are_the_declared_ones():
+    """The cross-cutting lists run over the declarations (primitives/_mechanisms.py): a
+    case or a block for a stem nobody declared is a list that drifted."""
+    from laminae.primitives._mechanisms import DECODING, STEMS
 
-    assert [c.stem for c in CASES] == MECHANISMS, "add the mechanism to tests/_mechanisms.py"
+    from . import _blocks, _mechanisms
+
+    assert [c.stem for c in CASES] == STEMS
+    assert set(_mechanisms.BY_STEM) <= set(STEMS), "declare the mechanism in primitives/_mechanisms.py"
+    assert set(_blocks._BY_STEM) <= set(DECODING), "declare the decoding mechanism in primitives/_mechanisms.py"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.stem)
