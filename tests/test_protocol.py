@@ -203,11 +203,7 @@ def test_cache_reset_starts_a_new_sequence(block):
     assert cache.length == 4
 
 
-# blocks whose caches carry the accessors of docs/protocol.md and start from empty_cache
-EMPTY_CACHE_BLOCKS = ["memory_caching", "mom_read", "engram", "stack_memory"]
-
-
-@pytest.mark.parametrize("name", EMPTY_CACHE_BLOCKS)
+@pytest.mark.parametrize("name", [b.name for b in BLOCKS])
 def test_empty_cache_records_batch_dtype_device_and_clones(name):
     """``empty_cache(batch, *, dtype, device)`` is the one way to start decoding; the
     cache answers ``length``/``batch``/``dtype``/``device``/``config``, a clone
