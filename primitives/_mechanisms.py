@@ -8,7 +8,7 @@ mechanism tables of README.md and docs/index.md (checked by
 The tour case and the static sm_90 cases are found by convention in
 ``triton_ops/<stem>.py`` (``tour_case`` and ``static_cases``).
 
-Pure data: importing it imports no mechanism, no torch and no triton.
+Pure data: the file imports no mechanism, no torch and no triton of its own.
 """
 from __future__ import annotations
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,11 @@ def test_exports_tour_and_test_lists_are_derived_from_the_declarations():
     assert TOUR == stems and [c.stem for c in cases.CASES] == stems
     assert [b.name for b in _blocks.BLOCKS if b not in _blocks.LAYERS] == [m.stem for m in MECHANISMS if m.decoding]
     assert set(test_walkthrough.WIRED) == set(stems)
+
+
+def test_deriving_from_the_declarations_imports_no_triton():
+    """The exports and the tour's list are read without loading a kernel: triton must
+    still be importable after ``TRITON_INTERPRET`` is set (and costs nothing until used)."""
+    code = ("import sys, laminae.primitives, laminae.triton_ops, laminae.triton_ops.tour; "
+            "assert 'triton' not in sys.modules, 'triton imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
