@@ -296,13 +296,16 @@ class DecoderModel(nn.Module):
         hc_mult: > 1 expands the stream into that many hyper-connection streams and
             mixes them back with ``hc_out_mix`` (:class:`HCOutputMix`).
         input_stage: ``(name, module)`` reading the embeddings before the layers; an
-            :class:`~laminae.primitives.engram.EngramModule` adds its gated read and
-            shares the raw read as ``ctx.shared["ngram"]`` (decoding starts from its
+            :class:`~laminae.primitives.engram.EngramModule` adds its gated read
+            (``output``) and shares the raw read (``retrieved``) as ``ctx.shared["ngram"]``,
+            which a branch taking ``ngram=`` receives (decoding starts from its
             ``empty_cache``).
         value_embedding: share the token embedding as ``ctx.shared["token_embed"]``.
-        refiner: ``(name, module)`` called as ``output, states = module(x)`` before the
-            final norm (HRM refinement); ``deep_supervision`` keeps its states in training.
-        shared: model-level parameters handed to every branch by name (Naylis' bank).
+        refiner: ``(name, module)`` called as ``module(x)`` before the final norm, its
+            result read by field (``output``, ``states``: HRM refinement);
+            ``deep_supervision`` keeps its states in training.
+        shared: model-level parameters handed to every branch that names them in its
+            forward (Naylis' bank as ``M_blocks``).
         max_positions: the context (cached + new tokens); longer inputs raise ShapeError
             before any layer runs (None: no limit).
 
