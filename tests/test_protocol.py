@@ -348,47 +348,40 @@ def test_set_backend_reaches_every_block_and_use_backend_restores():
         set_backend(model, "cuda")
 
 
-def _newer_blocks(backend):
-    """One of each mechanism that joined after the protocol, small."""
-    bee = SpellingBeeEmbedding(8, HIDDEN, backend=backend)
-    bee.set_byte_table_from_strings(["a", "bc", "def", "", "gh", "i", "jkl", "m"])
-    return torch.nn.ModuleDict({
-        "shared_matrix": SharedMatrix(HIDDEN, HIDDEN, backend=backend),
-        "hrm_refinement": HRMRefinementBlock(HIDDEN, 8, 2, backend=backend),
-        "spelling_bee": bee,
-        "stack_memory": StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4, backend=backend),
-        "leviathan": LeviathanGenerator(vocab_size=8, hidden_size=HIDDEN, seed_dim=8, num_modes=2, num_knots=4,
-                                        rank=4, backend=backend),
-        "mosrah": MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=8, training_sequence_length=32,
-                         backend=backend),
-    })
+def _laminae_backends(model):
+    return {m.backend for m in model.modules() if hasattr(m, "backend")}
 
 
-def test_set_backend_reaches_the_newer_mechanisms():
-    model = torch.nn.Sequential(_newer_blocks("auto"))
+def test_set_backend_reaches_every_mechanism():
+    """Every declared mechanism's modules (tests/_mechanisms.py), inside a foreign model."""
+    model = torch.nn.Sequential(torch.nn.ModuleList([case.build("auto") for case in CASES]))
     with use_backend(model, "triton"):
-        assert {m.backend for m in model[0].values()} == {"triton"}
-    assert {m.backend for m in model[0].values()} == {"auto"}
+        assert _laminae_backends(model) == {"triton"}
+    assert _laminae_backends(model) == {"auto"}
     set_backend(model, "reference")
-    assert {m.backend for m in model[0].values()} == {"reference"}
+    assert _laminae_backends(model) == {"reference"}
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_newer_mechanisms_run_under_cpu_autocast(backend):
-    blocks = _newer_blocks(backend)
-    torch.manual_seed(0)
-    x = torch.randn(2, 3, HIDDEN)
-    ids = torch.randint(0, 8, (2, 3))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        h = torch.nn.functional.linear(x, torch.eye(HIDDEN))        # a bf16 activation, as autocast makes
-        outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h).output,
-                blocks["spelling_bee"](ids, token_embeddings=h),
-                blocks["stack_memory"](h)[0], blocks["leviathan"](ids), blocks["mosrah"](h).output]
-    for out in outs:
-        assert torch.isfinite(out.float()).all()
-    sum(o.float().sum() for o in outs).backward()
-    grads = [p.grad for p in blocks.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads)
+def test_every_mechanism_runs_under_cpu_autocast():
+    """Each declared mechanism's module alone, fed what autocast produces (bf16
+    activations from a linear layer): finite outputs and gradients (the reference path;
+    the walk-through runs both backends under autocast inside a model and compares them)."""
+    wrong = []
+    for case in CASES:
+        module = case.build("reference")
+        inputs = [t.requires_grad_() if t.is_floating_point() else t for t in case.inputs(2, 3)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            acts = [torch.nn.functional.linear(t, torch.eye(t.shape[-1])) if t.is_floating_point() else t
+                    for t in inputs]
+            outs = case.call(module, *acts)
+        grads = torch.autograd.grad(sum(o.float().sum() for o in outs),
+                                    [t for t in inputs if t.is_floating_point()]
+                                    + [p for p in module.parameters() if p.requires_grad],
+                                    allow_unused=True)
+        if not all(torch.isfinite(o.float()).all() for o in outs) or \
+                not all(g is None or torch.isfinite(g).all() for g in grads):
+            wrong.append(case.stem)
+    assert not wrong, wrong
 
 
 def test_float64_laurel_reference_computes_in_float64():
