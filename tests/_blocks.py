@@ -2,7 +2,11 @@
 ``block.call(module, x, mask, cache)`` is the block's own forward (``x`` a
 ``[B, T, HIDDEN]`` activation from which each block takes the inputs it needs), and
 ``block.run(...) -> (out, cache)`` reads its ``[0]`` and ``[1]``: every protocol test
-relies on that order."""
+relies on that order.
+
+``BLOCKS`` holds one block per declared decoding mechanism (``primitives/_mechanisms.py``;
+a declared one without an entry here fails every test over ``BLOCKS``), then the
+decoding attention layers of ``primitives/blocks`` and ``recipes/assembly``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +18,7 @@ from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttenti
                                 MemoryCacheBranch, MoMRead, MoSRAH, StackMemory)
 from laminae.recipes.assembly.hybrid_attention import HybridAttention
 from laminae.primitives.blocks.sliding_window import SlidingWindowAttention
+from laminae.primitives._mechanisms import DECODING
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 16, 2, 1, 8
 
@@ -77,10 +82,6 @@ def _routed_call(module, x, mask, cache):
     return module(x, mask, cache=cache)
 
 
-def _empty_cache(module, x):
-    return module.empty_cache(x.shape[0])
-
-
 def _hybrid(backend):
     torch.manual_seed(0)
     local = SlidingWindowAttention(HIDDEN, 2, HEAD_DIM, window_size=3, backend=backend)
@@ -104,7 +105,7 @@ def _scaled(module):
     return module.eval()
 
 
-BLOCKS = [
+WRITTEN = [
     Block("derf", lambda be: _scaled(DERFAttention(HEADS, KV_HEADS, HEAD_DIM, backend=be)), _attention_call,
           start=_empty_cache),
     Block("affine_scaled_attention",
@@ -126,10 +127,23 @@ BLOCKS = [
     Block("mosrah", lambda be: MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=HEAD_DIM,
                                       training_sequence_length=32, backend=be).eval(), _routed_call,
           start=_empty_cache),
+]
+LAYERS = [
     Block("sliding_window_attention", _sliding_window, _routed_call, start=_empty_cache),
     Block("hybrid_attention", _hybrid, _routed_call, start=_empty_cache),
 ]
-BY_NAME = {b.name: b for b in BLOCKS}
+
+
+def _missing(stem: str) -> Block:
+    def build(backend):
+        raise AssertionError(f"declared decoding mechanism {stem!r} has no block: add it to tests/_blocks.py")
+
+    return Block(stem, build, lambda *a: None)
+
+
+_BY_STEM = {b.name: b for b in WRITTEN}
+BLOCKS = [_BY_STEM.get(stem) or _missing(stem) for stem in DECODING] + LAYERS
+BY_NAME = {b.name: b for b in WRITTEN + LAYERS}
 
 
 def _mom(backend):

@@ -3,8 +3,9 @@ shape for the cross-cutting tests (torch.compile, empty inputs): ``case.build(ba
 makes the module, ``case.inputs(batch, seq)`` its inputs with ``seq`` tokens per
 row, and ``case.call(module, *inputs)`` runs its forward and returns the float
 outputs a loss can sum.
-One entry per stem of ``triton_ops.tour.MECHANISMS`` (a new mechanism joins here,
-or the tests that read this table fail)."""
+``CASES`` follows the declared stems (``primitives/_mechanisms.py``): a declared stem
+without a case here fails every test that runs over ``CASES``, and a case of an
+undeclared stem fails ``tests/test_mechanisms.py``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from laminae.primitives._mechanisms import STEMS
 from laminae.primitives import (AffineScaledAttention, DERFAttention, DERFContextGate, EloAttention, EngramLayerFusion,
                                 EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL, LeviathanGenerator,
                                 LucidAttention, MemoryCacheBranch, MoMRead, MoSRAH, SharedMatrix, SiameseNormFinal,
@@ -96,7 +98,7 @@ def _mom(backend):
     return m
 
 
-CASES = [
+WRITTEN = [
     Case("laurel", lambda be: LAuReL(D, use_rw=True, use_lr=True, lr_rank=4, backend=be),
          lambda b, s: (_x(b, s), _x(b, s, seed=1)), lambda m, x, f: (m(x, sublayer_output=f),)),
     Case("siamese_norm", _Siamese, lambda b, s: (_x(b, s),), lambda m, x: (m(x),)),
@@ -127,4 +129,14 @@ CASES = [
                                                 backend=be),
          lambda b, s: (_x(b, s),), lambda m, x: (m(x)[0],)),
 ]
-BY_STEM = {case.stem: case for case in CASES}
+BY_STEM = {case.stem: case for case in WRITTEN}
+
+
+def _missing(stem: str) -> Case:
+    def build(backend):
+        raise AssertionError(f"declared mechanism {stem!r} has no case: add it to tests/_mechanisms.py")
+
+    return Case(stem, build, lambda b, s: (), lambda m, *a: ())
+
+
+CASES = [BY_STEM.get(stem) or _missing(stem) for stem in STEMS]

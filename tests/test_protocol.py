@@ -6,6 +6,7 @@ import copy
 import importlib
 import inspect
 import math
+import typing
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from laminae.primitives import (AppendBuffer, BackendUnavailableError, ConfigErr
                                 DTypeError, EngramModule, ExclusiveSelfAttention, HRMRefinementBlock, LAuReL,
                                 MoMRead, MoSRAH, ShapeError, SharedMatrix, SpellingBeeEmbedding, StackMemory, set_backend,
                                 use_backend)
+from laminae.primitives import _mechanisms as mechanisms
 from laminae.primitives._errors import DeviceError
 from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.primitives.laurel import laurel_reference
@@ -60,6 +62,73 @@ def test_forward_returns_output_then_cache(block):
     assert type(step) is type(first) and torch.is_tensor(step[0]) and step[0].shape[:2] == (2, 1)
     assert isinstance(step[1], DecodingCache) and step[1] is not cache and step[1].length == 6
     assert cache.length == 5
+
+
+# The contract table of docs/protocol.md, per kind of module: the positional
+# parameters after ``self`` (every other one keyword-only), and the fields a NamedTuple
+# return starts with (None: a bare tensor is the only return)
+POSITIONAL_RULES = {
+    mechanisms.CORE: [("q", "k", "v", "attention_mask", "cache")],
+    mechanisms.SEQUENCE: [("x", "attention_mask", "cache")],
+    mechanisms.TOKEN: [("input_ids",), ("input_ids", "attention_mask")],
+    mechanisms.POSITION_WISE: [(None,), (None, "attention_mask")],      # None: the activation, any name
+    mechanisms.STREAMS: [("x", "y")],
+}
+RETURN_FIELDS = {mechanisms.CORE: ("output", "cache"), mechanisms.SEQUENCE: ("output", "cache"),
+                 mechanisms.TOKEN: None, mechanisms.POSITION_WISE: ("output",), mechanisms.STREAMS: ("x", "y")}
+# a routing decision, not an activation: MoSRAH's router returns Routing(indices, weights, ...)
+RETURN_EXCEPTIONS = {"MoSRAHRouter"}
+DECLARED_MODULES = [(f"laminae.primitives.{m.stem}", name, kind) for m in mechanisms.MECHANISMS
+                    for name, kind in m.modules.items()]
+# the building blocks and recipe layers the contract table names (RotaryEmbedding is a
+# function of positions, not a block: `forward(x, position_ids, start=0)`)
+DECLARED_MODULES += [
+    ("laminae.primitives.blocks", "GroupedQueryAttention", mechanisms.SEQUENCE),
+    ("laminae.primitives.blocks", "SlidingWindowAttention", mechanisms.SEQUENCE),
+    ("laminae.recipes.assembly", "HybridAttention", mechanisms.SEQUENCE),
+    *[("laminae.primitives.blocks", name, mechanisms.POSITION_WISE)
+      for name in ("SparseMoE", "GroupedSwiGLU", "SwiGLU", "RMSNorm", "HCOutputMix")],
+]
+
+
+def _contract_violations(cls, kind) -> list[str]:
+    wrong = []
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    positional = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+    others = [p for p in params if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if positional != tuple(params[i].name for i in range(len(positional))) or others:
+        wrong.append(f"forward{inspect.signature(cls.forward)}: only keyword-only parameters after the positional ones")
+    if not any(len(rule) == len(positional) and all(r in (None, p) for r, p in zip(rule, positional))
+               for rule in POSITIONAL_RULES[kind]):
+        wrong.append(f"positional {positional}, the rule is one of {POSITIONAL_RULES[kind]}")
+    for p in params:
+        if p.name in ("attention_mask", "cache") and p.default is not None:
+            wrong.append(f"`{p.name}` defaults to {p.default!r}, not None")
+    decodes = kind in mechanisms.DECODING_KINDS
+    if ("cache" in [p.name for p in params]) != decodes or hasattr(cls, "empty_cache") != decodes:
+        wrong.append("a cache parameter and empty_cache exactly when the kind decodes")
+    if decodes:
+        start = list(inspect.signature(cls.empty_cache).parameters.values())[1:]
+        if [(p.name, p.kind, p.default) for p in start] != [
+                ("batch", inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.empty),
+                ("dtype", inspect.Parameter.KEYWORD_ONLY, None), ("device", inspect.Parameter.KEYWORD_ONLY, None)]:
+            wrong.append(f"empty_cache{inspect.signature(cls.empty_cache)}, not (batch, *, dtype=None, device=None)")
+    returns = typing.get_type_hints(cls.forward).get("return")
+    fields = RETURN_FIELDS[kind]
+    if cls.__name__ not in RETURN_EXCEPTIONS and returns is not torch.Tensor and (
+            fields is None or getattr(returns, "_fields", ())[:len(fields)] != fields):
+        wrong.append(f"returns {returns}, not a NamedTuple starting with {fields}"
+                     + ("" if decodes else " or a tensor"))
+    return wrong
+
+
+@pytest.mark.parametrize("package, name, kind", DECLARED_MODULES, ids=[n for _, n, _ in DECLARED_MODULES])
+def test_every_declared_module_follows_the_contract_of_its_kind(package, name, kind):
+    """docs/protocol.md's contract table, read from the signatures: one argument order
+    per kind of block, keyword-only side inputs, ``empty_cache(batch, *, dtype=None,
+    device=None)`` exactly on the decoding blocks, ``output`` (and ``cache``) first."""
+    cls = getattr(importlib.import_module(package), name)
+    assert not _contract_violations(cls, kind), _contract_violations(cls, kind)
 
 
 def _takes_cache(cls) -> bool:
@@ -134,11 +203,7 @@ def test_cache_reset_starts_a_new_sequence(block):
     assert cache.length == 4
 
 
-# blocks whose caches carry the accessors of docs/protocol.md and start from empty_cache
-EMPTY_CACHE_BLOCKS = ["memory_caching", "mom_read", "engram", "stack_memory"]
-
-
-@pytest.mark.parametrize("name", EMPTY_CACHE_BLOCKS)
+@pytest.mark.parametrize("name", [b.name for b in BLOCKS])
 def test_empty_cache_records_batch_dtype_device_and_clones(name):
     """``empty_cache(batch, *, dtype, device)`` is the one way to start decoding; the
     cache answers ``length``/``batch``/``dtype``/``device``/``config``, a clone
@@ -283,47 +348,40 @@ def test_set_backend_reaches_every_block_and_use_backend_restores():
         set_backend(model, "cuda")
 
 
-def _newer_blocks(backend):
-    """One of each mechanism that joined after the protocol, small."""
-    bee = SpellingBeeEmbedding(8, HIDDEN, backend=backend)
-    bee.set_byte_table_from_strings(["a", "bc", "def", "", "gh", "i", "jkl", "m"])
-    return torch.nn.ModuleDict({
-        "shared_matrix": SharedMatrix(HIDDEN, HIDDEN, backend=backend),
-        "hrm_refinement": HRMRefinementBlock(HIDDEN, 8, 2, backend=backend),
-        "spelling_bee": bee,
-        "stack_memory": StackMemory(HIDDEN, stack_d_model=8, num_mem_heads=2, stack_slots=4, backend=backend),
-        "leviathan": LeviathanGenerator(vocab_size=8, hidden_size=HIDDEN, seed_dim=8, num_modes=2, num_knots=4,
-                                        rank=4, backend=backend),
-        "mosrah": MoSRAH(HIDDEN, num_mosrah_heads=4, num_selected_heads=2, head_dim=8, training_sequence_length=32,
-                         backend=backend),
-    })
+def _laminae_backends(model):
+    return {m.backend for m in model.modules() if hasattr(m, "backend")}
 
 
-def test_set_backend_reaches_the_newer_mechanisms():
-    model = torch.nn.Sequential(_newer_blocks("auto"))
+def test_set_backend_reaches_every_mechanism():
+    """Every declared mechanism's modules (tests/_mechanisms.py), inside a foreign model."""
+    model = torch.nn.Sequential(torch.nn.ModuleList([case.build("auto") for case in CASES]))
     with use_backend(model, "triton"):
-        assert {m.backend for m in model[0].values()} == {"triton"}
-    assert {m.backend for m in model[0].values()} == {"auto"}
+        assert _laminae_backends(model) == {"triton"}
+    assert _laminae_backends(model) == {"auto"}
     set_backend(model, "reference")
-    assert {m.backend for m in model[0].values()} == {"reference"}
+    assert _laminae_backends(model) == {"reference"}
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_newer_mechanisms_run_under_cpu_autocast(backend):
-    blocks = _newer_blocks(backend)
-    torch.manual_seed(0)
-    x = torch.randn(2, 3, HIDDEN)
-    ids = torch.randint(0, 8, (2, 3))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        h = torch.nn.functional.linear(x, torch.eye(HIDDEN))        # a bf16 activation, as autocast makes
-        outs = [blocks["shared_matrix"](h), blocks["hrm_refinement"](h).output,
-                blocks["spelling_bee"](ids, token_embeddings=h),
-                blocks["stack_memory"](h)[0], blocks["leviathan"](ids), blocks["mosrah"](h).output]
-    for out in outs:
-        assert torch.isfinite(out.float()).all()
-    sum(o.float().sum() for o in outs).backward()
-    grads = [p.grad for p in blocks.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() for g in grads)
+def test_every_mechanism_runs_under_cpu_autocast():
+    """Each declared mechanism's module alone, fed what autocast produces (bf16
+    activations from a linear layer): finite outputs and gradients (the reference path;
+    the walk-through runs both backends under autocast inside a model and compares them)."""
+    wrong = []
+    for case in CASES:
+        module = case.build("reference")
+        inputs = [t.requires_grad_() if t.is_floating_point() else t for t in case.inputs(2, 3)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            acts = [torch.nn.functional.linear(t, torch.eye(t.shape[-1])) if t.is_floating_point() else t
+                    for t in inputs]
+            outs = case.call(module, *acts)
+        grads = torch.autograd.grad(sum(o.float().sum() for o in outs),
+                                    [t for t in inputs if t.is_floating_point()]
+                                    + [p for p in module.parameters() if p.requires_grad],
+                                    allow_unused=True)
+        if not all(torch.isfinite(o.float()).all() for o in outs) or \
+                not all(g is None or torch.isfinite(g).all() for g in grads):
+            wrong.append(case.stem)
+    assert not wrong, wrong
 
 
 def test_float64_laurel_reference_computes_in_float64():
@@ -425,10 +483,16 @@ def test_an_input_without_tokens_is_refused_by_every_block(backend):
     assert not wrong, "\n".join(map(str, wrong))
 
 
-def test_every_mechanism_has_a_tiny_case():
-    from laminae.triton_ops.tour import MECHANISMS
+def test_the_tiny_cases_and_blocks_are_the_declared_ones():
+    """The cross-cutting lists run over the declarations (primitives/_mechanisms.py): a
+    case or a block for a stem nobody declared is a list that drifted."""
+    from laminae.primitives._mechanisms import DECODING, STEMS
 
-    assert [c.stem for c in CASES] == MECHANISMS, "add the mechanism to tests/_mechanisms.py"
+    from . import _blocks, _mechanisms
+
+    assert [c.stem for c in CASES] == STEMS
+    assert set(_mechanisms.BY_STEM) <= set(STEMS), "declare the mechanism in primitives/_mechanisms.py"
+    assert set(_blocks._BY_STEM) <= set(DECODING), "declare the decoding mechanism in primitives/_mechanisms.py"
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.stem)

@@ -1,7 +1,9 @@
 """The new-user walk-through: each block dropped into a small GPT written the way
 another codebase would write it (token embedding, pre-norm layers, LM head),
 trained a step on both backends under CPU autocast, switched with ``set_backend``,
-and decoded with beam-search-style branching. Small shapes, CPU, both backends."""
+and decoded with beam-search-style branching. Small shapes, CPU, both backends.
+Every declared mechanism (``primitives/_mechanisms.py``) runs here, and every decoding
+one decodes: a declared stem the model does not wire fails its tests."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +11,9 @@ from torch import nn
 
 from laminae.primitives import (AffineScaledAttention, DERFAttention, EloAttention, EngramModule,
                                 ExclusiveSelfAttention, HRMRefinementBlock, LAuReL, LeviathanGenerator, LucidAttention,
-                                MemoryCacheBranch, MoMRead, SharedMatrix, SiameseNormFinal, SiameseNormLayer,
-                                SpellingBeeEmbedding, set_backend, siamese_start)
+                                MemoryCacheBranch, MoMRead, MoSRAH, SharedMatrix, SiameseNormFinal, SiameseNormLayer,
+                                SpellingBeeEmbedding, StackMemory, set_backend, siamese_start)
+from laminae.primitives._mechanisms import DECODING, STEMS
 
 VOCAB, D, H, HKV, HD, B, T = 32, 16, 2, 1, 8, 2, 6
 CORES = {
@@ -18,11 +21,12 @@ CORES = {
     "elo_attention": lambda: EloAttention(H, HKV, HD),
     "lucid_attention": lambda: LucidAttention(H, HKV, HD),
 }
-DECODING = ["derf", "affine_scaled_attention", "elo_attention", "lucid_attention", "memory_caching", "mom_read",
-            "engram"]
 # blocks that transform each position (or token) alone; the model's SDPA mixes tokens
 POSITION_WISE = ["hrm_refinement", "spelling_bee", "leviathan", "shared_matrix"]
-ALL = ["laurel", "siamese_norm", "xsa", *POSITION_WISE, *DECODING]
+# the decoding blocks that are this model's only token mixing (in place of its attention)
+MEMORIES = {"engram": "engram", "mom_read": "mom", "memory_caching": "memory", "stack_memory": "stack",
+            "mosrah": "mosrah"}
+WIRED = {"laurel", "siamese_norm", "xsa", "affine_scaled_attention", *CORES, *POSITION_WISE, *MEMORIES}
 
 
 class Attention(nn.Module):
@@ -58,6 +62,7 @@ class Attention(nn.Module):
 class TinyGPT(nn.Module):
     def __init__(self, kind: str):
         super().__init__()
+        assert kind in WIRED, f"declared mechanism {kind!r}: wire it into the walk-through's TinyGPT"
         torch.manual_seed(0)
         self.kind = kind
         self.embed, self.head = nn.Embedding(VOCAB, D), nn.Linear(D, VOCAB)
@@ -77,6 +82,10 @@ class TinyGPT(nn.Module):
             nn.init.ones_(self.mom.mom_scale)
         elif kind == "engram":
             self.engram = EngramModule(D, 8, num_heads=2, table_size=31, gate_init_bias=0.5)
+        elif kind == "stack_memory":
+            self.stack = StackMemory(D, stack_d_model=8, num_mem_heads=2, stack_slots=4, mode="temporal")
+        elif kind == "mosrah":
+            self.mosrah = MoSRAH(D, num_mosrah_heads=4, num_selected_heads=2, head_dim=HD, training_sequence_length=32)
         elif kind == "leviathan":
             self.embed = LeviathanGenerator(vocab_size=VOCAB, hidden_size=D, seed_dim=8, num_modes=2, num_knots=4,
                                             rank=4)
@@ -93,7 +102,7 @@ class TinyGPT(nn.Module):
     def empty_cache(self, batch):
         """Where decoding starts: the empty cache of this model's one token-mixing block
         (a memory block or the attention core)."""
-        memory = {"engram": "engram", "mom_read": "mom", "memory_caching": "memory"}.get(self.kind)
+        memory = MEMORIES.get(self.kind)
         if memory:
             return getattr(self, memory).empty_cache(batch)
         return self.attn.core.empty_cache(batch) if hasattr(self.attn, "core") else None
@@ -113,6 +122,11 @@ class TinyGPT(nn.Module):
         elif self.kind == "memory_caching":
             read, cache = self.memory(self.norm1(x), mask, cache)
             x = x + read
+        elif self.kind == "mosrah":
+            read, cache = self.mosrah(self.norm1(x), mask, cache)[:2]
+            x = x + read
+        elif self.kind == "stack_memory":      # its output is the augmented stream
+            x, cache = self.stack(x, mask, cache)[:2]
         if self.kind in CORES or self.kind in ("affine_scaled_attention", "xsa", "laurel", *POSITION_WISE):
             # (the memory blocks above are this model's only token mixing, so they decode alone)
             a, cache = self.attn(self.norm1(x), mask, cache=cache)
@@ -140,7 +154,7 @@ def _loss_and_grads(model, tokens, mask):
     return loss, grads
 
 
-@pytest.mark.parametrize("kind", ALL)
+@pytest.mark.parametrize("kind", STEMS)
 def test_block_trains_on_both_backends_and_under_autocast(kind):
     model = TinyGPT(kind).eval()   # eval: affine's EMA stays put, so both backends see one model
     tokens = _tokens()
@@ -200,7 +214,7 @@ def test_block_decodes_with_branching_under_autocast(kind, backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kind", ALL)
+@pytest.mark.parametrize("kind", STEMS)
 def test_block_trains_under_cuda_autocast(kind, dtype):
     model = TinyGPT(kind).cuda().eval()
     tokens = _tokens().cuda()

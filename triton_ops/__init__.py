@@ -25,32 +25,10 @@ import sys
 import types
 from importlib import import_module
 
-_EXPORTS = {
-    "affine_scaled_attention": "affine_scaled_attention",
-    "derf_attention": "derf",
-    "derf_context_gate": "derf",
-    "elo_attention": "elo_attention",
-    "engram_fusion": "engram",
-    "engram_fusion_gate": "engram",
-    "engram_lookup": "engram",
-    "flash_attention": "_flash",
-    "hrm_refinement": "hrm_refinement",
-    "laurel": "laurel",
-    "leviathan": "leviathan",
-    "leviathan_spline": "leviathan",
-    "lucid_attention": "lucid_attention",
-    "memory_caching": "memory_caching",
-    "mom_read": "mom_read",
-    "shared_matrix": "shared_matrix",
-    "mosrah": "mosrah",
-    "mosrah_attention": "mosrah",
-    "siamese_boundary": "siamese_norm",
-    "spelling_bee": "spelling_bee",
-    "stack_memory": "stack_memory",
-    "stack_scan": "stack_memory",
-    "stack_step": "stack_memory",
-    "xsa": "xsa",
-}
+from laminae.primitives._mechanisms import ops as _declared_ops
+
+# every mechanism's ops (primitives/_mechanisms.py), plus the shared flash core
+_EXPORTS = {**_declared_ops(), "flash_attention": "_flash"}
 
 __all__ = sorted(_EXPORTS)
 

@@ -11,8 +11,8 @@ backend actually used (compiled Triton on CUDA, the interpreter on CPU), the max
 abs error of the outputs and of all gradients, the eager reference time, and on
 CUDA the Triton time and speed-up. Exits 1 if any error exceeds tolerance.
 
-Adding a mechanism is one line in ``MECHANISMS``: its ``triton_ops/<stem>.py``
-provides ``tour_case(device) -> TourCase``.
+``MECHANISMS`` are the declared stems (``primitives/_mechanisms.py``); each one's
+``triton_ops/<stem>.py`` provides ``tour_case(device) -> TourCase`` (or a list).
 """
 from __future__ import annotations
 
@@ -24,24 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-MECHANISMS = [
-    "laurel",
-    "siamese_norm",
-    "derf",
-    "xsa",
-    "affine_scaled_attention",
-    "elo_attention",
-    "lucid_attention",
-    "engram",
-    "memory_caching",
-    "mom_read",
-    "hrm_refinement",
-    "spelling_bee",
-    "leviathan",
-    "shared_matrix",
-    "mosrah",
-    "stack_memory",
-]
+from laminae.primitives._mechanisms import STEMS
+
+MECHANISMS = list(STEMS)
 
 
 @dataclass

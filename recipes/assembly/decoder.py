@@ -17,11 +17,13 @@ With hyper-connections the stream is ``[B, M, S, H]`` and each stage reads
 stage's input; without hyper-connections it therefore stays in the stream. A *post*
 module (Engram fusion) maps the stream after the last stage.
 
-How a branch module is called is looked up by its type in :data:`BRANCH_CALLS`
-(attention gets positions, mask, cache and depth sources; MoE adds its aux loss; a
-MoM read gets the shared bank); anything else is called as ``module(h)``. A
-:class:`Branch` can carry its own ``call`` for unusual wiring; a new module type
-registers its call once.
+A branch module is called by its parameter names (read once, at construction): the
+activation, then whichever of ``attention_mask``, ``cache``, ``position_ids``,
+``depth_sources`` and the ``shared`` tensors (a memory bank as ``M_blocks=``, Engram's
+read as ``ngram=``) its forward takes; its NamedTuple result is read by field name
+(``output``, ``cache``, and the aux losses, MaxVio and depth entries the decoder
+collects). A :class:`Branch` can carry its own ``call`` for unusual wiring, and a type
+whose wiring its names cannot say registers one in :data:`BRANCH_CALLS`.
 
 ``DecoderModel`` — ``embed_tokens`` → optional input stage (Engram) → layers along a
 ``plan`` of (layer, pass) pairs (see :func:`layer_plan`; a new pass adds
@@ -33,6 +35,7 @@ next steps from one cache are both right.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -44,7 +47,6 @@ from laminae.primitives._cache import DecodingCache
 from laminae.primitives._errors import ConfigError, ShapeError
 from laminae.primitives._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int,
                                             check_same_device, check_tensor)
-from laminae.primitives.blocks.gqa import GroupedQueryAttention
 from laminae.primitives.blocks.hyper_connections import HCOutputMix, HyperConnection, expand_streams
 
 __all__ = ["BlockContext", "Branch", "BRANCH_CALLS", "ResidualBlock", "layer_plan", "DecoderCache",
@@ -69,66 +71,81 @@ class BlockContext:
 
 BranchCall = Callable[[nn.Module, torch.Tensor, BlockContext, Any], tuple[torch.Tensor, Any]]
 
-
-def _call_attention(module, h, ctx, state):
-    if ctx.decoding and state is None:
-        state = module.empty_cache(h.shape[0], device=h.device)
-    out, cache, entry = module(h, ctx.attention_mask, state, position_ids=ctx.positions,
-                               depth_sources=ctx.depth_sources)
-    if entry is not None:
-        ctx.depth_sources.append(entry)
-    return out, (cache if ctx.decoding else None)
+# Calls for module types whose wiring their parameter names cannot say; empty here
+# (SHRAM's HybridAttention registers one: its positions come from its mask).
+BRANCH_CALLS: dict[type, BranchCall] = {}
 
 
-def _call_moe(module, h, ctx, state):
-    out, aux = module(h, position_ids=ctx.positions)
-    if aux is not None:
-        ctx.aux_losses.append(aux)
-    return out, None
+def _on_streams(value: Any, h: torch.Tensor) -> Any:
+    """A model-level tensor read by a module on hyper-connection streams ``[B, M, S, H]``
+    is shared by every stream."""
+    if torch.is_tensor(value) and h.dim() == 4 and value.dim() == 3 and value.shape[-1] == h.shape[-1]:
+        return value.unsqueeze(1).expand(-1, h.shape[1], *value.shape[1:])
+    return value
 
 
-def _decoding_cache(module, h, ctx, state):
-    """The branch's cache for this call: its own from the previous call, an empty one
-    on the first decoding call, None (no decoding) in training."""
-    if state is not None or not ctx.decoding:
-        return state
-    return module.empty_cache(h.shape[0], dtype=h.dtype, device=h.device)
+class _NamedCall:
+    """How :class:`ResidualBlock` calls one branch module, read once from its forward's
+    parameters: the activation first, then by name ``attention_mask``, ``cache`` (the
+    branch's own from the previous call; its ``empty_cache`` on the first decoding call;
+    None in training), ``position_ids``, ``depth_sources`` and any ``ctx.shared`` entry
+    of the same name (``M_blocks``, ``ngram``, ...). A NamedTuple result is read by
+    field name: ``output``, ``cache``, and the extras the decoder collects
+    (``aux_loss``/``load_balance_loss`` into the aux losses, ``max_vio`` into the
+    metrics as the max over layers, ``depth_entry`` into the depth sources)."""
+
+    CONTEXT = ("attention_mask", "cache", "position_ids", "depth_sources")
+
+    def __init__(self, module: nn.Module) -> None:
+        params = list(inspect.signature(module.forward).parameters.values())
+        if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+            raise ConfigError(f"branch {type(module).__name__}: its forward must take the activation first, got "
+                              f"forward{inspect.signature(module.forward)}")
+        self.names = [p.name for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        self.required = {p.name for p in params[1:] if p.default is p.empty
+                         and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+    def __call__(self, module: nn.Module, h: torch.Tensor, ctx: BlockContext, state: Any):
+        kwargs = {}
+        for name in self.names:
+            if name == "attention_mask":
+                kwargs[name] = ctx.attention_mask
+            elif name == "cache":
+                if ctx.decoding and state is None:
+                    state = module.empty_cache(h.shape[0], device=h.device)
+                kwargs[name] = state if ctx.decoding else None
+            elif name == "position_ids":
+                kwargs[name] = ctx.positions
+            elif name == "depth_sources":
+                kwargs[name] = ctx.depth_sources
+            elif name in ctx.shared:
+                kwargs[name] = _on_streams(ctx.shared[name], h)
+            elif name in self.required:
+                raise ConfigError(f"branch {type(module).__name__} needs `{name}`: pass it in the decoder's "
+                                  f"`shared` (given: {sorted(ctx.shared)})")
+        out = module(h, **kwargs)
+        if torch.is_tensor(out):
+            return out, None
+        fields = getattr(out, "_fields", None)
+        if fields is None or fields[0] != "output":
+            raise ConfigError(f"branch {type(module).__name__} returned {type(out).__name__}: a tensor or a "
+                              "NamedTuple whose first field is `output`")
+        extras = dict(zip(fields, out))
+        for name in ("aux_loss", "load_balance_loss"):
+            if extras.get(name) is not None:
+                ctx.aux_losses.append(extras[name])
+        if extras.get("max_vio") is not None:
+            prev = ctx.metrics.get("max_vio")
+            ctx.metrics["max_vio"] = extras["max_vio"] if prev is None else torch.maximum(prev, extras["max_vio"])
+        if extras.get("depth_entry") is not None:
+            ctx.depth_sources.append(extras["depth_entry"])
+        return out.output, (extras.get("cache") if ctx.decoding else None)
 
 
-def _call_mom(module, h, ctx, state):
-    return tuple(module(h, ctx.attention_mask, _decoding_cache(module, h, ctx, state),
-                        M_blocks=ctx.shared["M_blocks"])[:2])
-
-
-def _call_memory_cache(module, h, ctx, state):
-    return tuple(module(h, ctx.attention_mask, _decoding_cache(module, h, ctx, state))[:2])
-
-
-def _call_engram_fusion(module, x, ctx, state):
-    ngram = ctx.shared["ngram"]
-    if x.dim() == 4:   # hyper-connection streams share one n-gram read
-        ngram = ngram.unsqueeze(1).expand_as(x)
-    return module(x, ngram=ngram), None
-
-
-def _default_calls() -> dict[type, BranchCall]:
-    from laminae.primitives.engram import EngramLayerFusion
-    from laminae.primitives.memory_caching import MemoryCacheBranch
-    from laminae.primitives.blocks.moe import SparseMoE
-    from laminae.primitives.mom_read import MoMRead
-
-    return {GroupedQueryAttention: _call_attention, SparseMoE: _call_moe, MoMRead: _call_mom,
-            MemoryCacheBranch: _call_memory_cache, EngramLayerFusion: _call_engram_fusion}
-
-
-BRANCH_CALLS: dict[type, BranchCall] = _default_calls()
-
-
-def _call(module: nn.Module, h: torch.Tensor, ctx: BlockContext, state: Any, call: BranchCall | None = None):
-    call = call or next((fn for cls, fn in BRANCH_CALLS.items() if isinstance(module, cls)), None)
-    if call is None:
-        return module(h), None
-    return call(module, h, ctx, state)
+def _branch_call(module: nn.Module, call: BranchCall | None = None) -> BranchCall:
+    """A branch's own ``call``, else a registered one for its type, else by its parameter names."""
+    return call or next((fn for cls, fn in BRANCH_CALLS.items() if isinstance(module, cls)), None) \
+        or _NamedCall(module)
 
 
 @dataclass
@@ -181,8 +198,7 @@ class ResidualBlock(nn.Module):
                 if b.gate:
                     self.register_parameter(f"{b.name}_gate", nn.Parameter(torch.zeros(1)))
                     self._gated.add(b.name)
-                if b.call is not None:
-                    self._calls[b.name] = b.call
+                self._calls[b.name] = _branch_call(b.module, b.call)
         self.hc_names = list(hyper_connections) if hyper_connections else None
         for name in self.hc_names or ():
             self.add_module(name, HyperConnection(hc_mult))
@@ -193,6 +209,7 @@ class ResidualBlock(nn.Module):
         if post is not None:
             self.post_name = post[0]
             self.add_module(post[0], post[1])
+            self._calls[post[0]] = _branch_call(post[1])
         self.dropout = float(dropout)
 
     def forward(self, x: torch.Tensor, ctx: BlockContext, state: dict | None = None) -> tuple[torch.Tensor, dict]:
@@ -206,14 +223,14 @@ class ResidualBlock(nn.Module):
             out = None
             for name in names:
                 inp = getattr(self, self._norm_names[name])(h) if name in self._norm_names else h
-                y, new_state[name] = _call(getattr(self, name), inp, ctx, state.get(name), self._calls.get(name))
+                y, new_state[name] = self._calls[name](getattr(self, name), inp, ctx, state.get(name))
                 y = F.dropout(y, p=self.dropout, training=self.training)
                 if name in self._gated:
                     y = torch.tanh(getattr(self, f"{name}_gate")) * y
                 out = y if out is None else out + y
             x = hc.post(x, out) if hc is not None else h + out
         if self.post_name is not None:
-            x, _ = _call(getattr(self, self.post_name), x, ctx, None)
+            x, _ = self._calls[self.post_name](getattr(self, self.post_name), x, ctx, None)
         return x, new_state
 
 
@@ -279,13 +296,16 @@ class DecoderModel(nn.Module):
         hc_mult: > 1 expands the stream into that many hyper-connection streams and
             mixes them back with ``hc_out_mix`` (:class:`HCOutputMix`).
         input_stage: ``(name, module)`` reading the embeddings before the layers; an
-            :class:`~laminae.primitives.engram.EngramModule` adds its gated read and
-            shares the raw read as ``ctx.shared["ngram"]`` (decoding starts from its
+            :class:`~laminae.primitives.engram.EngramModule` adds its gated read
+            (``output``) and shares the raw read (``retrieved``) as ``ctx.shared["ngram"]``,
+            which a branch taking ``ngram=`` receives (decoding starts from its
             ``empty_cache``).
         value_embedding: share the token embedding as ``ctx.shared["token_embed"]``.
-        refiner: ``(name, module)`` called as ``output, states = module(x)`` before the
-            final norm (HRM refinement); ``deep_supervision`` keeps its states in training.
-        shared: model-level parameters handed to every branch by name (Naylis' bank).
+        refiner: ``(name, module)`` called as ``module(x)`` before the final norm, its
+            result read by field (``output``, ``states``: HRM refinement);
+            ``deep_supervision`` keeps its states in training.
+        shared: model-level parameters handed to every branch that names them in its
+            forward (Naylis' bank as ``M_blocks``).
         max_positions: the context (cached + new tokens); longer inputs raise ShapeError
             before any layer runs (None: no limit).
 
@@ -360,8 +380,9 @@ class DecoderModel(nn.Module):
             if cache is not None:
                 stage_cache = (cache.input_state if cache.input_state is not None
                                else stage.empty_cache(B, dtype=x.dtype, device=x.device))
-            out, input_state, ctx.shared["ngram"] = stage(x, attention_mask, stage_cache)
-            x = x + out
+            read = stage(x, attention_mask, stage_cache)
+            input_state, ctx.shared["ngram"] = read.cache, read.retrieved
+            x = x + read.output
         if self.hc_mult > 1:
             x = expand_streams(x, self.hc_mult)
         old_slots = cache.slots if cache is not None and cache.slots else (None,) * len(self.plan)
@@ -384,7 +405,8 @@ class DecoderModel(nn.Module):
             x = self.hc_out_mix(x)
         refine_states = None
         if self.refiner is not None:
-            x, states = getattr(self, self.refiner)(x)
+            refined = getattr(self, self.refiner)(x)
+            x, states = refined.output, refined.states
             if self.deep_supervision and self.training:
                 refine_states = [self.norm(s) for s in states]
         new_cache = None

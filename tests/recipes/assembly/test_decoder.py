@@ -1,3 +1,5 @@
+from typing import NamedTuple
+
 import pytest
 import torch
 from torch import nn
@@ -123,3 +125,55 @@ def test_injection_stays_in_the_stream_without_hyper_connections_and_not_with_th
     streams = expand_streams(x, 2)
     out = hyper.mlp(hyper.hc.pre(streams) + torch.tanh(torch.tensor(0.5)) * emb)
     torch.testing.assert_close(hyper(streams, ctx)[0], hyper.hc.post(streams, out))   # only the branch input
+
+
+class _Probe(nn.Module):
+    """A branch type the decoder has never seen: what reaches it is what its names ask for."""
+
+    class Output(NamedTuple):
+        output: torch.Tensor
+        cache: object
+        load_balance_loss: torch.Tensor
+        max_vio: torch.Tensor
+
+    def __init__(self, vio):
+        super().__init__()
+        self.vio, self.seen, self.started = vio, [], 0
+
+    def empty_cache(self, batch, *, dtype=None, device=None):
+        self.started += 1
+        return ("empty", batch)
+
+    def forward(self, x, attention_mask=None, cache=None, *, position_ids, M_blocks, scale=2.0):
+        self.seen.append({"attention_mask": attention_mask, "cache": cache, "position_ids": position_ids,
+                          "M_blocks": M_blocks, "scale": scale})
+        return self.Output(x * M_blocks, ("after", cache), torch.tensor(0.25), torch.tensor(self.vio))
+
+
+def test_branches_are_called_by_their_parameter_names():
+    """No table of types: a new module gets the mask, its own cache (its empty_cache on
+    the first decoding call), the positions and the shared tensors it names; its
+    NamedTuple is read by field: output, cache, the aux loss and MaxVio."""
+    from laminae.recipes.assembly.decoder import BRANCH_CALLS, BlockContext
+    from laminae.recipes.assembly.hybrid_attention import HybridAttention
+
+    assert set(BRANCH_CALLS) <= {HybridAttention}
+    a, b = _Probe(0.5), _Probe(0.75)
+    block = ResidualBlock([[Branch("a", a)], [Branch("b", b)]])
+    x, keep, bank = torch.randn(2, 3, 4), torch.ones(2, 3, dtype=torch.bool), torch.full((1,), 3.0)
+    ctx = BlockContext(torch.arange(3)[None], keep, shared={"M_blocks": bank}, decoding=True)
+    out, state = block(x, ctx)
+    h = x + x * 3
+    torch.testing.assert_close(out, h + h * 3)
+    seen = a.seen[0]
+    assert seen["attention_mask"] is keep and seen["position_ids"] is ctx.positions and seen["M_blocks"] is bank
+    assert seen["cache"] == ("empty", 2) and seen["scale"] == 2.0 and a.started == 1
+    assert state == {"a": ("after", ("empty", 2)), "b": ("after", ("empty", 2))}
+    assert [float(t) for t in ctx.aux_losses] == [0.25, 0.25] and float(ctx.metrics["max_vio"]) == 0.75
+    ctx = BlockContext(torch.arange(3)[None], shared={"M_blocks": bank}, decoding=True)
+    block(x, ctx, state)                                            # the next step continues each branch's cache
+    assert a.seen[1]["cache"] == ("after", ("empty", 2)) and a.started == 1
+    training = BlockContext(torch.arange(3)[None], shared={"M_blocks": bank})
+    assert block(x, training)[1] == {"a": None, "b": None} and a.seen[2]["cache"] is None
+    with pytest.raises(ConfigError, match="needs `M_blocks`"):
+        block(x, BlockContext(torch.arange(3)[None]))
