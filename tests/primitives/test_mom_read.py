@@ -14,7 +14,6 @@ from laminae.primitives.mom_read import (
     mom_load_balance_loss,
     mom_log_gates,
     mom_prefix_mean,
-    mom_read_gathered_reference,
     mom_read_reference,
     mom_route,
     mom_router_logits,
@@ -344,13 +343,13 @@ def test_gathered_reference_equals_dense_and_ignores_unselected_slots():
     g = torch.randn_like(dense)
     grads = torch.autograd.grad(dense, [leaves["q"], leaves["k_bank"], leaves["v_bank"]], g)
     assert torch.all(grads[1][4 * 3:] == 0) and torch.all(grads[2][4 * 3:] == 0)  # unselected rows get 0
-    gathered = mom_read_gathered_reference(**inp)
+    gathered = mom_read_reference(**inp, gathered=True)
     torch.testing.assert_close(gathered, dense, atol=1e-6, rtol=1e-5)
     poisoned = dict(inp)
     for name in ("k_bank", "v_bank"):
         poisoned[name] = inp[name].clone()
         poisoned[name][4 * 3:] = float("nan")
-    assert torch.equal(mom_read_gathered_reference(**poisoned), gathered)
+    assert torch.equal(mom_read_reference(**poisoned, gathered=True), gathered)
 
 
 def test_dense_read_gradcheck_float64():
@@ -363,7 +362,7 @@ def test_dense_read_gradcheck_float64():
     args = [inp[n].clone().requires_grad_(True) for n in names]
     assert torch.autograd.gradcheck(fn, args)
     assert torch.autograd.gradcheck(
-        lambda q, k, v, g: mom_read_gathered_reference(q, k, v, inp["top_idx"], g, inp["block_size"]), args)
+        lambda q, k, v, g: mom_read_reference(q, k, v, inp["top_idx"], g, inp["block_size"], gathered=True), args)
 
 
 def test_router_and_aux_gradcheck_float64():
