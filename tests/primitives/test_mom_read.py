@@ -19,6 +19,8 @@ from laminae.primitives.mom_read import (
     mom_router_logits,
 )
 
+from .._decoding import prefill_then_decode
+
 # ----------------------------------------------------------------------------
 # A literal transcription of the seed's MoMLayer math (model.py of the Naylis seed):
 # the same module names, op order, dense bias and SDPA read; only the kernel switch
@@ -412,13 +414,8 @@ def test_decode_prefill_and_steps_equal_the_full_forward():
     with torch.no_grad():
         full, cache = m(x, M_blocks=bank)
         assert cache is None
-        out, state = m(x[:, :5], cache=m.empty_cache(x.shape[0]), M_blocks=bank)
-        outs = [out]
-        for t in range(5, 16):
-            out, state = m(x[:, t:t + 1], M_blocks=bank, cache=state)
-            outs.append(out)
+        decoded, state = prefill_then_decode(m, x, cache=m.empty_cache(x.shape[0]), prefill=5, M_blocks=bank)
         chunked, state2 = m(x[:, 5:], M_blocks=bank, cache=m(x[:, :5], cache=m.empty_cache(2), M_blocks=bank).cache)
-    decoded = torch.cat(outs, 1)
     assert isinstance(state, MoMReadCache) and state.length == 16 and state2.length == 16
     assert state.kept_count is None and state.batch == 2 and state.dtype == torch.float32
     torch.testing.assert_close(state.prefix_sum, x.sum(1), atol=1e-5, rtol=1e-5)
