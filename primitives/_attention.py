@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ._cache import KVCache, cache_placement
 from ._errors import ShapeError
 from ._validation import (check_has_tokens, check_keep_mask, check_same_device, check_same_dtype, check_tensor,
                           match_activation_dtypes)
@@ -64,6 +65,63 @@ def check_attention_inputs(
     else:
         check_same_dtype(q=q, k=k, v=v)
     return q, k, v, check_keep_mask("attention_mask", attention_mask, B, N)
+
+
+def check_functional_core_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    per_head: dict[str, torch.Tensor],
+    **others: torch.Tensor | None,
+) -> None:
+    """A functional core call (``module=False`` in :func:`check_attention_inputs`): the
+    attention inputs, a ``q`` with tokens, and each ``per_head`` parameter ``[num_heads]``
+    on the tensors' device; ``others`` must share that device too."""
+    check_attention_inputs(q, k, v, attention_mask, module=False, **per_head, **others)
+    check_has_tokens("q", q)
+    for name, p in per_head.items():
+        check_tensor(name, p, shape=(q.shape[2],), layout="[num_heads]")
+
+
+def reference_operands(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, upcast: bool,
+) -> tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a core's ``*_reference`` computes with: the compute dtype (fp32, fp64 for
+    fp64 inputs; ``q``'s own dtype when ``upcast`` is False, the same-dtype eager
+    baseline), and ``q``, ``k``, ``v`` in it, each kv head repeated for the
+    ``H // H_kv`` query heads that read it.
+
+    The layout every reference shares: ``q`` ``[B, S, H, D]``, query i at absolute
+    position ``N − S + i``; ``k``/``v`` ``[B, N, H_kv, D]`` with ``N ≥ S`` and
+    ``H % H_kv == 0``; ``attention_mask`` an optional ``(B, N)`` keep mask over keys
+    (bool or 0/1)."""
+    compute = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
+    group = q.shape[2] // k.shape[2]
+    return (compute, q.to(compute), k.to(compute).repeat_interleave(group, dim=2),
+            v.to(compute).repeat_interleave(group, dim=2))
+
+
+class KVCacheCore:
+    """``empty_cache`` of an attention core whose cache is the :class:`KVCache` subclass
+    ``cache_type``, configured by the core's ``_cache_config()``."""
+
+    cache_type: type[KVCache]
+
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> KVCache:
+        """An empty decoding cache for ``batch`` sequences, holding keys and values in
+        ``dtype`` on ``device`` (default: the parameters', or autocast's dtype when made
+        under ``torch.autocast``); its storage doubles when full."""
+        dtype, device = cache_placement(self, dtype, device)
+        return self.cache_type._empty(batch, self._cache_config(), dtype=dtype, device=device)
+
+
+def masked_softmax(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Softmax over visible keys; rows with none visible are all zeros (no NaN)."""
+    any_visible = visible.any(-1, keepdim=True)
+    logits = logits.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)
+    return torch.softmax(logits, dim=-1).masked_fill(~visible, 0.0)
 
 
 def visible_keys(S: int, N: int, attention_mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:

@@ -25,9 +25,9 @@ import math
 import torch
 from torch import nn
 
-from ._attention import check_attention_inputs, visible_keys
+from ._attention import KVCacheCore, check_attention_inputs, masked_softmax, reference_operands, visible_keys
 from ._backend import Backend, check_backend, resolve_backend
-from ._cache import KVCache, cache_placement
+from ._cache import KVCache
 from ._errors import ConfigError
 from ._outputs import BlockOutput
 from ._validation import (check_choice, check_param_dtype, check_positive_int, check_tensor, without_autocast,
@@ -72,35 +72,25 @@ def affine_scaled_attention_reference(
     """Reference affine-scaled attention, materialising A = α·P + (α_ma − α)/N_t.
 
     Args:
-        q: ``[B, S, H, D]`` queries; query i sits at absolute position ``N − S + i``.
-        k, v: ``[B, N, H_kv, D]`` keys and values (``N ≥ S``, ``H % H_kv == 0``).
         alpha: ``[B, S, H]`` per-query, per-head scale α (already activated).
         alpha_ma: ``[H]`` the running mean of α (a buffer; no gradient is expected).
-        attention_mask: optional ``(B, N)`` keep mask over keys (bool or 0/1).
-        upcast: compute in fp32 and cast back (the ground truth); ``False`` keeps the
-            input dtype (the same-dtype eager baseline, and fp64 for gradcheck).
+        q, k, v, attention_mask, upcast: the layout and compute dtype of every core's
+            reference (:func:`~laminae.primitives._attention.reference_operands`).
     Returns:
         ``[B, S, H, D]`` in the dtype of ``q``. A query that sees no key returns 0.
     """
-    dtype = q.dtype
-    compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
     B, S, H, D = q.shape
-    N, group = k.shape[1], H // k.shape[2]
-    qc = q.to(compute)
-    kc = k.to(compute).repeat_interleave(group, dim=2)
-    vc = v.to(compute).repeat_interleave(group, dim=2)
+    N = k.shape[1]
+    compute, qc, kc, vc = reference_operands(q, k, v, upcast)
     scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
     visible = visible_keys(S, N, attention_mask, q.device)            # [B|1, 1, S, N]
-    any_visible = visible.any(-1, keepdim=True)
-    # rows with no visible key get finite scores so softmax stays NaN-free; they are zeroed below
-    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)
-    probs = torch.softmax(scores, dim=-1)
+    probs = masked_softmax(scores, visible)
     n_visible = visible.sum(-1, keepdim=True).clamp_min(1).to(compute)  # N_t, never 0
     a = alpha.to(compute).permute(0, 2, 1)[..., None]                  # [B, H, S, 1]
     beta = (alpha_ma.to(compute).view(1, H, 1, 1) - a) / n_visible
     weights = torch.where(visible, a * probs + beta, torch.zeros((), dtype=compute, device=q.device))
     out = torch.einsum("bhsn,bnhd->bshd", weights, vc)
-    return out.to(dtype)
+    return out.to(q.dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -135,7 +125,7 @@ def _inside_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
-class AffineScaledAttention(nn.Module):
+class AffineScaledAttention(KVCacheCore, nn.Module):
     """Affine-scaled attention core: α-rescaled softmax weights plus the β shift.
 
     Owns ``alpha_proj`` (``nn.Linear(hidden_size, num_heads, bias=False)``, weight
@@ -174,6 +164,8 @@ class AffineScaledAttention(nn.Module):
         attn = AffineScaledAttention(512, num_heads=8, num_kv_heads=2, head_dim=64)
         out, _ = attn(q, k, v, attention_mask=keep, x=h)
     """
+
+    cache_type = AffineScaledAttentionCache
 
     def __init__(
         self,
@@ -218,14 +210,6 @@ class AffineScaledAttention(nn.Module):
 
     def _cache_config(self) -> dict:
         return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
-
-    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> AffineScaledAttentionCache:
-        """An empty decoding cache for ``batch`` sequences, holding keys and values in
-        ``dtype`` on ``device`` (default: the parameters', or autocast's dtype when made
-        under ``torch.autocast``); its storage doubles when full."""
-        dtype, device = cache_placement(self, dtype, device)
-        return AffineScaledAttentionCache._empty(batch, self._cache_config(), dtype=dtype, device=device)
 
     @torch.no_grad()
     def _update_ema(self, alpha: torch.Tensor, query_keep: torch.Tensor | None) -> None:

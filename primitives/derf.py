@@ -33,9 +33,10 @@ import math
 import torch
 from torch import nn
 
-from ._attention import check_attention_inputs, visible_keys
+from ._attention import (KVCacheCore, check_attention_inputs, check_functional_core_inputs, reference_operands,
+                         visible_keys)
 from ._backend import Backend, check_backend, resolve_backend
-from ._cache import KVCache, cache_placement
+from ._cache import KVCache
 from ._errors import ConfigError, ShapeError
 from ._outputs import BlockOutput
 from ._validation import (
@@ -87,12 +88,9 @@ def derf_attention_reference(
     """Reference DERF attention (materialises the [B, H, S, N] weights; clarity first).
 
     Args:
-        q: ``[B, S, H, D]`` queries; query i sits at absolute position ``N − S + i``.
-        k, v: ``[B, N, H_kv, D]`` keys and values (``N ≥ S``, ``H % H_kv == 0``).
         derf_alpha, derf_bias, derf_gamma: ``[H]`` per-head erf slope, offset and scale.
-        attention_mask: optional ``(B, N)`` keep mask over keys (bool or 0/1).
-        upcast: compute in fp32 and cast back (the ground truth); ``False`` keeps the
-            input dtype (the same-dtype eager baseline, and fp64 for gradcheck).
+        q, k, v, attention_mask, upcast: the layout and compute dtype of every core's
+            reference (:func:`~laminae.primitives._attention.reference_operands`).
     Returns:
         ``[B, S, H, D]`` in the dtype of ``q``. A query that sees no key returns 0.
 
@@ -103,15 +101,9 @@ def derf_attention_reference(
 
     ``(γ·erf(z) + γ)/2`` is evaluated as ``γ·erfc(−z)/2`` (see :func:`_erf_plus_one_half`).
     """
-    dtype = q.dtype
-    compute = torch.promote_types(dtype, torch.float32) if upcast else dtype
     B, S, H, D = q.shape
-    N, kv_heads = k.shape[1], k.shape[2]
-    group = H // kv_heads
-    qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
-    if group > 1:
-        kc = kc.repeat_interleave(group, dim=2)
-        vc = vc.repeat_interleave(group, dim=2)
+    N = k.shape[1]
+    compute, qc, kc, vc = reference_operands(q, k, v, upcast)
     scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
     alpha = derf_alpha.to(compute).view(1, H, 1, 1)
     bias = derf_bias.to(compute).view(1, H, 1, 1)
@@ -121,7 +113,7 @@ def derf_attention_reference(
     weights = torch.where(visible, weights, torch.zeros((), dtype=compute, device=q.device))
     weights = weights / (weights.sum(dim=-1, keepdim=True) + DERF_EPS)
     out = torch.einsum("bhsn,bnhd->bshd", weights, vc)
-    return out.to(dtype)
+    return out.to(q.dtype)
 
 
 def derf_context_gate_reference(
@@ -161,11 +153,8 @@ def check_derf_attention_inputs(
 ) -> None:
     """Shapes, dtypes and devices of a functional DERF attention call (raises ShapeError,
     DTypeError or DeviceError naming the argument)."""
-    check_attention_inputs(q, k, v, attention_mask, module=False, derf_alpha=derf_alpha,
-                           derf_bias=derf_bias, derf_gamma=derf_gamma)
-    check_has_tokens("q", q)
-    for name, p in (("derf_alpha", derf_alpha), ("derf_bias", derf_bias), ("derf_gamma", derf_gamma)):
-        check_tensor(name, p, shape=(q.shape[2],), layout="[num_heads]")
+    check_functional_core_inputs(q, k, v, attention_mask, dict(derf_alpha=derf_alpha, derf_bias=derf_bias,
+                                                                derf_gamma=derf_gamma))
 
 
 # ----------------------------------------------------------------------------
@@ -192,7 +181,7 @@ class DERFCache(KVCache):
 # ----------------------------------------------------------------------------
 
 
-class DERFAttention(nn.Module):
+class DERFAttention(KVCacheCore, nn.Module):
     """DERF attention core: the per-head erf weighting that replaces softmax.
 
     Owns the seed's per-head parameters ``derf_alpha`` (ones), ``derf_bias`` (zeros)
@@ -230,6 +219,8 @@ class DERFAttention(nn.Module):
     core; the kernels have no dropout.
     """
 
+    cache_type = DERFCache
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, backend: Backend = "auto") -> None:
         super().__init__()
         check_positive_int("num_heads", num_heads)
@@ -250,14 +241,6 @@ class DERFAttention(nn.Module):
 
     def _cache_config(self) -> dict:
         return {"num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
-
-    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> DERFCache:
-        """An empty decoding cache for ``batch`` sequences, holding keys and values in
-        ``dtype`` on ``device`` (default: the parameters', or autocast's dtype when made
-        under ``torch.autocast``); its storage doubles when full."""
-        dtype, device = cache_placement(self, dtype, device)
-        return DERFCache._empty(batch, self._cache_config(), dtype=dtype, device=device)
 
     def forward(
         self,

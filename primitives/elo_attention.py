@@ -33,12 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._attention import check_attention_inputs, visible_keys
+from ._attention import (KVCacheCore, check_attention_inputs, check_functional_core_inputs, masked_softmax,
+                         reference_operands, visible_keys)
 from ._backend import Backend, check_backend, resolve_backend
-from ._cache import KVCache, cache_placement
+from ._cache import KVCache
 from ._errors import ConfigError, ShapeError
 from ._outputs import BlockOutput
-from ._validation import (check_has_tokens, check_positive_float, check_positive_int, check_tensor, without_autocast,
+from ._validation import (check_positive_float, check_positive_int, check_tensor, without_autocast,
                           zero_padding)
 
 __all__ = [
@@ -72,13 +73,10 @@ def check_elo_attention_inputs(
 ) -> None:
     """Shapes, dtypes and devices of a functional Elo attention call (raises ShapeError,
     DTypeError or DeviceError naming the argument)."""
-    check_attention_inputs(q, k, v, attention_mask, module=False, elo_log_k=elo_log_k,
-                           elo_gain=elo_gain, prior_rating=prior_rating)
-    check_has_tokens("q", q)
+    check_functional_core_inputs(q, k, v, attention_mask, dict(elo_log_k=elo_log_k, elo_gain=elo_gain),
+                                 prior_rating=prior_rating)
     B, _, H, _ = q.shape
     N = k.shape[1]
-    check_tensor("elo_log_k", elo_log_k, shape=(H,), layout="[num_heads]")
-    check_tensor("elo_gain", elo_gain, shape=(H,), layout="[num_heads]")
     if prior_rating is not None:
         check_tensor("prior_rating", prior_rating, ndim=3, layout="[batch, num_heads, cached_keys]")
         if prior_rating.shape[0] != B or prior_rating.shape[1] != H or prior_rating.shape[2] > N:
@@ -102,13 +100,6 @@ def full_prior(prior_rating: torch.Tensor | None, batch: int, heads: int, keys: 
     return prior
 
 
-def _masked_softmax(logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-    """Softmax over visible keys; rows with none visible are all zeros (no NaN)."""
-    any_visible = visible.any(-1, keepdim=True)
-    logits = logits.masked_fill(~visible, float("-inf")).masked_fill(~any_visible, 0.0)
-    return torch.softmax(logits, dim=-1).masked_fill(~visible, 0.0)
-
-
 def elo_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -123,41 +114,33 @@ def elo_attention_reference(
     """Reference Elo tournament attention (materialises the [S, N] matrices).
 
     Args:
-        q: ``[B, S, H, D]``; query i sits at absolute position ``N − S + i``.
-        k, v: ``[B, N, H_kv, D]``, ``N ≥ S``, ``H % H_kv == 0`` (query head h reads
-            kv head ``h // (H // H_kv)``).
         elo_log_k, elo_gain: ``[H]`` raw parameters (K = softplus, gain = tanh).
         prior_rating: optional ``[B, H, P]``, ``P ≤ N``: ratings of the first P keys
             carried from earlier calls; later keys start at 0.
-        attention_mask: optional ``(B, N)`` 0/1 or bool keep mask.
-        upcast: compute in fp32 (fp64 stays fp64) and cast back; ``False`` computes
-            in the input dtype (the same-dtype eager baseline).
+        q, k, v, attention_mask, upcast: the layout and compute dtype of every core's
+            reference (:func:`~laminae.primitives._attention.reference_operands`).
     Returns:
         ``(out, rating_out)``: out ``[B, S, H, D]`` in q's dtype; rating_out
         ``[B, H, N]`` float32 (float64 for float64 inputs).
     """
     check_elo_attention_inputs(q, k, v, elo_log_k, elo_gain, prior_rating, attention_mask)
-    dtype = q.dtype
-    compute = rating_dtype(dtype) if upcast else dtype
     B, S, H, D = q.shape
-    N, group = k.shape[1], H // k.shape[2]
-    qc = q.to(compute)
-    kc = k.to(compute).repeat_interleave(group, dim=2)
-    vc = v.to(compute).repeat_interleave(group, dim=2)
+    N = k.shape[1]
+    compute, qc, kc, vc = reference_operands(q, k, v, upcast)
     scores = torch.einsum("bshd,bnhd->bhsn", qc, kc) / math.sqrt(D)
     visible = visible_keys(S, N, attention_mask, q.device)
     K = F.softplus(elo_log_k.to(compute)).view(1, H, 1, 1)
     gain = torch.tanh(elo_gain.to(compute)).view(1, H, 1, 1)
     prior = full_prior(prior_rating, B, H, N, compute, q.device)
 
-    a_base = _masked_softmax(scores, visible)                         # the matches
+    a_base = masked_softmax(scores, visible)                         # the matches
     n_visible = visible.sum(-1, keepdim=True).clamp(min=1).to(compute)
     d_rating = K * (a_base - 1.0 / n_visible) * visible               # [B, H, S, N]
     intra = torch.cumsum(d_rating, dim=2) - d_rating                  # Σ_{t<i} dR_tj
-    a = _masked_softmax(scores + gain * (prior[:, :, None, :] + intra), visible)
+    a = masked_softmax(scores + gain * (prior[:, :, None, :] + intra), visible)
     out = torch.einsum("bhsn,bnhd->bshd", a, vc)
     rating_out = prior + d_rating.sum(dim=2)
-    return out.to(dtype), rating_out.to(rating_dtype(dtype))
+    return out.to(q.dtype), rating_out.to(rating_dtype(q.dtype))
 
 
 # ----------------------------------------------------------------------------
@@ -180,7 +163,7 @@ class EloAttentionCache(KVCache):
         self.rating = None
 
 
-class EloAttention(nn.Module):
+class EloAttention(KVCacheCore, nn.Module):
     """Elo tournament attention core: ``out, cache = module(q, k, v, attention_mask, cache)``.
 
     Args:
@@ -209,6 +192,8 @@ class EloAttention(nn.Module):
         out1, cache = attn(q1, k1, v1, cache=cache)                   # one decoding step
     """
 
+    cache_type = EloAttentionCache
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, elo_k_init: float = ELO_K_INIT,
                  backend: Backend = "auto") -> None:
         super().__init__()
@@ -233,14 +218,6 @@ class EloAttention(nn.Module):
 
     def _cache_config(self) -> dict:
         return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
-
-    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
-                    device: torch.device | str | None = None) -> EloAttentionCache:
-        """An empty decoding cache for ``batch`` sequences, holding keys and values in
-        ``dtype`` on ``device`` (default: the parameters', or autocast's dtype when made
-        under ``torch.autocast``); its storage doubles when full."""
-        dtype, device = cache_placement(self, dtype, device)
-        return EloAttentionCache._empty(batch, self._cache_config(), dtype=dtype, device=device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache: EloAttentionCache | None = None,

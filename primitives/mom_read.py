@@ -43,7 +43,6 @@ __all__ = [
     "mom_gate_bias",
     "mom_log_gates",
     "mom_read_reference",
-    "mom_read_gathered_reference",
     "mom_load_balance_loss",
     "collect_mom_aux_loss",
     "MoMRouting",
@@ -171,6 +170,8 @@ def mom_read_reference(
     top_gates: torch.Tensor,
     block_size: int,
     bias_in_activation_dtype: bool = False,
+    *,
+    gathered: bool = False,
 ) -> torch.Tensor:
     """Dense masked read (the seed's eager path), computed in fp32.
 
@@ -183,11 +184,24 @@ def mom_read_reference(
         block_size: slots per block (bs).
         bias_in_activation_dtype: round the log-gates to ``q``'s dtype first (the
             seed's eager numerics under bf16; spec open point 1). Off: fp32 log-gates.
+        gathered: read over the gathered ``Tk·bs`` selected slots of each token
+            instead (no dense bias; unselected bank rows are never touched): the same
+            result up to fp reassociation; it holds a ``[B, S, Tk, bs, H, hd]`` gather,
+            so it is a readable second oracle rather than a memory saver.
     Returns:
         ``o`` ``[B, S, H, hd]`` in ``q``'s dtype.
     """
     B, S, H, hd, slots, E = _read_dims(q, k_bank, block_size)
     compute = _compute_dtype(q.dtype)
+    if gathered:
+        lg = mom_log_gates(top_gates, q.dtype if bias_in_activation_dtype else None).to(compute)
+        idx = top_idx.long()
+        k = k_bank.to(compute).view(E, block_size, H, hd)[idx]              # [B, S, Tk, bs, H, hd]
+        v = v_bank.to(compute).view(E, block_size, H, hd)[idx]
+        scores = torch.einsum("bshd,bstjhd->bshtj", q.to(compute), k) / math.sqrt(hd)
+        scores = scores + lg[:, :, None, :, None]
+        probs = torch.softmax(scores.flatten(-2), dim=-1).view_as(scores)
+        return torch.einsum("bshtj,bstjhd->bshd", probs, v).to(q.dtype)
     bias = mom_gate_bias(top_idx, top_gates, E, block_size, q.dtype)
     if bias_in_activation_dtype:
         bias = bias.to(q.dtype)
@@ -196,31 +210,6 @@ def mom_read_reference(
     scores = torch.einsum("bshd,lhd->bhsl", q.to(compute), k) / math.sqrt(hd)
     probs = torch.softmax(scores + bias.to(compute).unsqueeze(1), dim=-1)
     return torch.einsum("bhsl,lhd->bshd", probs, v).to(q.dtype)
-
-
-def mom_read_gathered_reference(
-    q: torch.Tensor,
-    k_bank: torch.Tensor,
-    v_bank: torch.Tensor,
-    top_idx: torch.Tensor,
-    top_gates: torch.Tensor,
-    block_size: int,
-    bias_in_activation_dtype: bool = False,
-) -> torch.Tensor:
-    """The same read over the gathered ``Tk·bs`` selected slots of each token (no dense
-    bias; unselected bank rows are never touched). Same signature and result as
-    :func:`mom_read_reference` up to fp reassociation; holds a ``[B, S, Tk, bs, H, hd]``
-    gather, so it is a readable second oracle rather than a memory saver."""
-    B, S, H, hd, slots, E = _read_dims(q, k_bank, block_size)
-    compute = _compute_dtype(q.dtype)
-    lg = mom_log_gates(top_gates, q.dtype if bias_in_activation_dtype else None).to(compute)
-    idx = top_idx.long()
-    k = k_bank.to(compute).view(E, block_size, H, hd)[idx]              # [B, S, Tk, bs, H, hd]
-    v = v_bank.to(compute).view(E, block_size, H, hd)[idx]
-    scores = torch.einsum("bshd,bstjhd->bshtj", q.to(compute), k) / math.sqrt(hd)
-    scores = scores + lg[:, :, None, :, None]
-    probs = torch.softmax(scores.flatten(-2), dim=-1).view_as(scores)
-    return torch.einsum("bshtj,bstjhd->bshd", probs, v).to(q.dtype)
 
 
 # ----------------------------------------------------------------------------

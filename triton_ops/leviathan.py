@@ -210,6 +210,18 @@ def _bwd_store(dwd_ptr, dgamma_ptr, dbeta_ptr, md, dim_ok, KNOTS, R, knots, knot
 
 
 @triton.jit
+def _bwd_dim_start(wd_ptr, gamma_ptr, beta_ptr, md, KNOTS, R, knots, knot_ok, qq, q_ok, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What the spline backward holds for one (mode, seed dim): its wd tile in bf16
+    pieces, γ and β, and zeroed dwd, dγ and dβ accumulators."""
+    c_h, c_m, c_l = _coefficients(wd_ptr, md, KNOTS, R, knots, knot_ok, qq, q_ok)
+    gam = tl.load(gamma_ptr + md).to(tl.float32)
+    bet = tl.load(beta_ptr + md).to(tl.float32)
+    return (c_h, c_m, c_l, gam, bet, tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32),
+            tl.zeros([BLOCK_N], dtype=tl.float32), tl.zeros([BLOCK_N], dtype=tl.float32))
+
+
+@triton.jit
 def _bwd_spline_kernel(y0t_ptr, gamma_ptr, beta_ptr, wd_ptr, grid_ptr, count_ptr, a_ptr, mean_ptr, rstd_ptr,
                        dxhat_ptr, dwd_ptr, dgamma_ptr, dbeta_ptr,
                        N, D, KNOTS, R, H, scale,
@@ -230,22 +242,15 @@ def _bwd_spline_kernel(y0t_ptr, gamma_ptr, beta_ptr, wd_ptr, grid_ptr, count_ptr
     q_ok = qq < R
     part = pid_r.to(tl.int64) * H * D                   # this rank tile's partials
     md0 = (mode * D + j0).to(tl.int64)
-    c0_h, c0_m, c0_l = _coefficients(wd_ptr, md0, KNOTS, R, knots, knot_ok, qq, q_ok)
-    gam0 = tl.load(gamma_ptr + md0).to(tl.float32)
-    bet0 = tl.load(beta_ptr + md0).to(tl.float32)
-    dc0 = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-    dg0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    c0_h, c0_m, c0_l, gam0, bet0, dc0, dg0, db0 = _bwd_dim_start(wd_ptr, gamma_ptr, beta_ptr, md0, KNOTS, R, knots,
+                                                                 knot_ok, qq, q_ok, BLOCK_R, BLOCK_K, BLOCK_N)
     if DIMS == 2:
         # a last group past d repeats dim d-1 and stores nothing for it
         ok1 = j0 + 1 < D
         md1 = (mode * D + tl.minimum(j0 + 1, D - 1)).to(tl.int64)
-        c1_h, c1_m, c1_l = _coefficients(wd_ptr, md1, KNOTS, R, knots, knot_ok, qq, q_ok)
-        gam1 = tl.load(gamma_ptr + md1).to(tl.float32)
-        bet1 = tl.load(beta_ptr + md1).to(tl.float32)
-        dc1 = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
-        dg1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        db1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        c1_h, c1_m, c1_l, gam1, bet1, dc1, dg1, db1 = _bwd_dim_start(wd_ptr, gamma_ptr, beta_ptr, md1, KNOTS, R,
+                                                                     knots, knot_ok, qq, q_ok, BLOCK_R, BLOCK_K,
+                                                                     BLOCK_N)
     dx_ptr = dxhat_ptr + part * N
     for start in range(0, n_valid, BLOCK_N):
         rows = start + tl.arange(0, BLOCK_N)
@@ -277,6 +282,18 @@ def _dxhat(dxhat_ptr, off, m2, tiles, tile_stride):
 
 
 @triton.jit
+def _norm_tile(y0t_ptr, dxhat_ptr, base, j0, D, N, rows, row_ok, mean, rstd, tiles, tile_stride,
+               BLOCK_D: tl.constexpr):
+    """Seed dims j0.. of the norm backward's rows: their indices, mask and offsets, x̂
+    and dx̂ (both passes over the dims read the same)."""
+    jj = j0 + tl.arange(0, BLOCK_D)
+    m2 = (jj < D)[:, None] & row_ok[None, :]
+    off = base + jj[:, None].to(tl.int64) * N + rows[None, :]
+    xhat = (tl.load(y0t_ptr + off, mask=m2, other=0.0).to(tl.float32) - mean[None, :]) * rstd[None, :]
+    return jj, m2, off, xhat, _dxhat(dxhat_ptr, off, m2, tiles, tile_stride)
+
+
+@triton.jit
 def _bwd_norm_kernel(y0t_ptr, dxhat_ptr, mean_ptr, rstd_ptr, count_ptr, dy0t_ptr, N, D, tiles, tile_stride,
                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     pid_n = tl.program_id(0)
@@ -291,21 +308,15 @@ def _bwd_norm_kernel(y0t_ptr, dxhat_ptr, mean_ptr, rstd_ptr, count_ptr, dy0t_ptr
     s1 = tl.zeros([BLOCK_N], dtype=tl.float32)
     s2 = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j0 in range(0, D, BLOCK_D):
-        jj = j0 + tl.arange(0, BLOCK_D)
-        m2 = (jj < D)[:, None] & row_ok[None, :]
-        off = base + jj[:, None].to(tl.int64) * N + rows[None, :]
-        xhat = (tl.load(y0t_ptr + off, mask=m2, other=0.0).to(tl.float32) - mean[None, :]) * rstd[None, :]
-        dx = _dxhat(dxhat_ptr, off, m2, tiles, tile_stride)
+        jj, m2, off, xhat, dx = _norm_tile(y0t_ptr, dxhat_ptr, base, j0, D, N, rows, row_ok, mean, rstd, tiles,
+                                           tile_stride, BLOCK_D)
         s1 += tl.sum(dx, axis=0)
         s2 += tl.sum(tl.where(m2, dx * xhat, 0.0), axis=0)
     s1 = s1 / D
     s2 = s2 / D
     for j0 in range(0, D, BLOCK_D):
-        jj = j0 + tl.arange(0, BLOCK_D)
-        m2 = (jj < D)[:, None] & row_ok[None, :]
-        off = base + jj[:, None].to(tl.int64) * N + rows[None, :]
-        xhat = (tl.load(y0t_ptr + off, mask=m2, other=0.0).to(tl.float32) - mean[None, :]) * rstd[None, :]
-        dx = _dxhat(dxhat_ptr, off, m2, tiles, tile_stride)
+        jj, m2, off, xhat, dx = _norm_tile(y0t_ptr, dxhat_ptr, base, j0, D, N, rows, row_ok, mean, rstd, tiles,
+                                           tile_stride, BLOCK_D)
         dy0 = tl.where(m2, rstd[None, :] * (dx - s1[None, :] - xhat * s2[None, :]), 0.0)
         tl.store(dy0t_ptr + off, dy0.to(dy0t_ptr.dtype.element_ty), mask=(jj < D)[:, None] & (rows < N)[None, :])
 

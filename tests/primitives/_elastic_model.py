@@ -8,24 +8,11 @@ elastic model and the dense one; only the way a weight is applied differs.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 from torch import nn
 
 from laminae.primitives.shared_matrix import ElasticTiers
-
-DATA = Path(__file__).resolve().parent.parent / "data" / "seed_parity"
-
-
-def load_fixture(name: str):
-    folder = DATA / name
-    config = json.loads((folder / "config.json").read_text())
-    return (config, load_file(str(folder / "weights.safetensors")), load_file(str(folder / "inputs.safetensors")),
-            load_file(str(folder / "expected.safetensors")))
 
 
 def rms_norm(x, gain, eps, group=None):

@@ -4,25 +4,15 @@ SHRAM implementation): embeddings, pre-norm layers with a sliding-window local p
 plus the MoSRAH path, SwiGLU MLP, final norm, LM head, CE + 0.01·Σ LB."""
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
 
 from laminae.primitives.blocks.rotary import rotary_embedding
 from laminae.primitives.mosrah import MoSRAH
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "seed_parity"
 SPARSE = "attention.sparse_attention."
-
-
-def load(name: str):
-    folder = DATA / name
-    return (json.loads((folder / "config.json").read_text()), load_file(folder / "weights.safetensors"),
-            load_file(folder / "inputs.safetensors"), load_file(folder / "expected.safetensors"))
 
 
 def build_layers(cfg: dict, weights: dict, backend: str = "reference") -> list[MoSRAH]:

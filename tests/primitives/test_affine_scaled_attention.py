@@ -13,6 +13,8 @@ from laminae.primitives.affine_scaled_attention import (
     affine_scaled_attention_reference,
 )
 
+from .._decoding import prefill_then_decode
+
 
 def _qkv(B=2, S=6, H=4, Hkv=2, D=8, N=None, dtype=torch.float32, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -234,15 +236,11 @@ def test_prefill_then_single_steps_equals_full_forward():
     keep = torch.ones(B, T, dtype=torch.bool)
     keep[1, :2] = False  # left padding
     full, _ = m(q, k, v, attention_mask=keep, x=x)
-    cache = m.empty_cache(B)
     with torch.no_grad():
-        out, cache = m(q[:, :4], k[:, :4], v[:, :4], attention_mask=keep[:, :4], cache=cache, x=x[:, :4])
-        outs = [out]
-        for t in range(4, T):
-            out, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], cache=cache, x=x[:, t:t + 1])
-            outs.append(out)
+        decoded, cache = prefill_then_decode(m, q, k, v, cache=m.empty_cache(B), prefill=4, attention_mask=keep,
+                                             sliced={"x": x})
     assert cache.length == T
-    torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(decoded, full, atol=1e-6, rtol=1e-6)
 
 
 def test_cache_errors():

@@ -13,6 +13,8 @@ from laminae.primitives.derf import (
     derf_context_gate_reference,
 )
 
+from .._decoding import prefill_then_decode
+
 F64 = torch.float64
 
 
@@ -217,20 +219,6 @@ def test_context_gate_state_dict_matches_seed_and_loads_strictly():
     seed.load_state_dict(ours.state_dict(), strict=True)
 
 
-def _decode(module, q, k, v, mask, chunks):
-    B, T = q.shape[:2]
-    cache = module.empty_cache(B, dtype=q.dtype, device=q.device)
-    outs, start = [], 0
-    with torch.no_grad():
-        for size in chunks:
-            sl = slice(start, start + size)
-            out, cache = module(q[:, sl], k[:, sl], v[:, sl], None if mask is None else mask[:, sl], cache=cache)
-            outs.append(out)
-            start += size
-    assert start == T and cache.length == T
-    return torch.cat(outs, dim=1)
-
-
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_prefill_then_steps_equals_full_forward(with_mask):
     torch.manual_seed(0)
@@ -247,7 +235,10 @@ def test_prefill_then_steps_equals_full_forward(with_mask):
         mask[1, :3] = False  # left padding
     full, cache = m(q, k, v, mask)
     assert cache is None                                          # no cache given: no decoding
-    steps = _decode(m, q, k, v, mask, [5, 3] + [1] * 3)
+    with torch.no_grad():
+        steps, cache = prefill_then_decode(m, q, k, v, cache=m.empty_cache(B), chunks=[5, 3] + [1] * 3,
+                                           attention_mask=mask)
+    assert cache.length == T
     torch.testing.assert_close(steps, full, atol=1e-6, rtol=1e-5)
 
 

@@ -12,6 +12,8 @@ from laminae.primitives.elo_attention import (
     elo_log_k_init,
 )
 
+from .._decoding import prefill_then_decode
+
 
 def _inputs(B=2, S=6, extra=3, H=4, HKV=2, D=8, dtype=torch.float64, seed=0, prior=True, mask=True):
     gen = torch.Generator().manual_seed(seed)
@@ -112,19 +114,9 @@ def _decode_vs_full(backend, dtype=torch.float64, B=2, S=9, prefill=4, H=4, HKV=
     keep[1, :2] = False  # left padding
     keep[0, 5] = False
     with torch.no_grad():
-        return _decode_steps(m, q, k, v, keep, prefill, S)
-
-
-def _decode_steps(m, q, k, v, keep, prefill, S):
-    empty = m.empty_cache(q.shape[0], dtype=q.dtype, device=q.device)
-    full, full_cache = m(q, k, v, attention_mask=keep, cache=empty)
-    outs = []
-    out, cache = m(q[:, :prefill], k[:, :prefill], v[:, :prefill], attention_mask=keep[:, :prefill], cache=empty)
-    outs.append(out)
-    for t in range(prefill, S):
-        out, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], attention_mask=keep[:, t:t + 1], cache=cache)
-        outs.append(out)
-    stepped = torch.cat(outs, dim=1)
+        empty = m.empty_cache(B, dtype=dtype)
+        full, full_cache = m(q, k, v, attention_mask=keep, cache=empty)
+        stepped, cache = prefill_then_decode(m, q, k, v, cache=empty, prefill=prefill, attention_mask=keep)
     return full, full_cache, stepped, cache
 
 

@@ -1,6 +1,3 @@
-import json
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,9 +5,7 @@ import torch.nn.functional as F
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
 from laminae.primitives.hrm_refinement import HRMRefinementBlock, HRMRefinementOutput, hrm_refinement_reference
 
-# the fixtures live next to the repository (../shared), as DESIGN.md describes
-_CANDIDATES = [Path(__file__).resolve().parents[2].parent / "shared", Path("/work/shared")]
-FIXTURE = next((p for p in _CANDIDATES if p.exists()), _CANDIDATES[0]) / "fixtures" / "seed_parity" / "spikewhale_on"
+from .._fixtures import load_fixture
 
 
 def _randomised(block: HRMRefinementBlock, seed: int = 0) -> HRMRefinementBlock:
@@ -59,11 +54,7 @@ def test_init_and_parameter_names_match_seed():
 
 
 def test_seed_checkpoint_loads_strict():
-    safetensors = pytest.importorskip("safetensors.torch")
-    if not FIXTURE.exists():
-        pytest.skip(f"seed-parity fixture not found at {FIXTURE}")
-    config = json.loads((FIXTURE / "config.json").read_text())
-    weights = safetensors.load_file(str(FIXTURE / "weights.safetensors"))
+    config, weights, _, _ = load_fixture("spikewhale_on")
     prefix = "model.hrm_refine."
     state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
     block = HRMRefinementBlock(config["hidden_size"], config["hrm_refine_dim"], config["hrm_refine_steps"],

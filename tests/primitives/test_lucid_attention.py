@@ -12,6 +12,8 @@ from laminae.primitives.lucid_attention import (
     lucid_precondition_reference,
 )
 
+from .._decoding import prefill_then_decode
+
 F64 = torch.float64
 
 
@@ -224,13 +226,7 @@ def test_prefill_then_one_token_steps_equals_full_forward(masked, dtype):
     m = LucidAttention(H, HKV, D, backend="reference")
     empty = m.empty_cache(B, dtype=dtype)
     full, full_cache = m(q, k, v, mask, empty)
-    out, cache = m(q[:, :P], k[:, :P], v[:, :P], None if mask is None else mask[:, :P], empty)
-    outs = [out]
-    for t in range(P, T):
-        step_mask = None if mask is None else mask[:, t:t + 1]
-        out, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], step_mask, cache=cache)
-        outs.append(out)
-    decoded = torch.cat(outs, dim=1)
+    decoded, cache = prefill_then_decode(m, q, k, v, cache=empty, prefill=P, attention_mask=mask)
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     kept = keep[:, :, None, None].expand_as(full)
     assert float((decoded - full)[kept].abs().max()) < tol

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
 from laminae.primitives.memory_caching import MemoryCacheBranch, MemoryCachingCache, memory_caching_reference
 
+from .._decoding import prefill_then_decode
+
 
 def seed_mc_forward(m: MemoryCacheBranch, x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """The seed's _mc_forward, step by step (same einsums, same index writes)."""
@@ -128,15 +130,6 @@ def test_single_segment_without_earlier_memory_is_causal_linear_attention():
     torch.testing.assert_close(y, want)
 
 
-def _decode(m, x, mask, prefix):
-    y0, cache = m(x[:, :prefix], None if mask is None else mask[:, :prefix], cache=m.empty_cache(x.shape[0]))
-    ys = [y0]
-    for t in range(prefix, x.shape[1]):
-        yt, cache = m(x[:, t:t + 1], None if mask is None else mask[:, t:t + 1], cache=cache)
-        ys.append(yt)
-    return torch.cat(ys, 1), cache
-
-
 @pytest.mark.parametrize("S, prefix", [(13, 5), (13, 8), (3, 1), (3, 3), (9, 2), (12, 12)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_prefill_then_steps_equals_full_forward(S, prefix, masked):
@@ -145,7 +138,7 @@ def test_prefill_then_steps_equals_full_forward(S, prefix, masked):
     mask = _ragged(2, S) if masked else None
     full, _ = m(x, mask)
     with torch.no_grad():
-        dec, cache = _decode(m, x, mask, prefix)
+        dec, cache = prefill_then_decode(m, x, cache=m.empty_cache(2), prefill=prefix, attention_mask=mask)
     assert isinstance(cache, MemoryCachingCache) and cache.length == S
     L = m.segment_len
     assert cache.segment_memories.shape == (2, S // L, 2, 4, 4) and cache.open_length == S % L

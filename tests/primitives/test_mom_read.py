@@ -14,11 +14,12 @@ from laminae.primitives.mom_read import (
     mom_load_balance_loss,
     mom_log_gates,
     mom_prefix_mean,
-    mom_read_gathered_reference,
     mom_read_reference,
     mom_route,
     mom_router_logits,
 )
+
+from .._decoding import prefill_then_decode
 
 # ----------------------------------------------------------------------------
 # A literal transcription of the seed's MoMLayer math (model.py of the Naylis seed):
@@ -344,13 +345,13 @@ def test_gathered_reference_equals_dense_and_ignores_unselected_slots():
     g = torch.randn_like(dense)
     grads = torch.autograd.grad(dense, [leaves["q"], leaves["k_bank"], leaves["v_bank"]], g)
     assert torch.all(grads[1][4 * 3:] == 0) and torch.all(grads[2][4 * 3:] == 0)  # unselected rows get 0
-    gathered = mom_read_gathered_reference(**inp)
+    gathered = mom_read_reference(**inp, gathered=True)
     torch.testing.assert_close(gathered, dense, atol=1e-6, rtol=1e-5)
     poisoned = dict(inp)
     for name in ("k_bank", "v_bank"):
         poisoned[name] = inp[name].clone()
         poisoned[name][4 * 3:] = float("nan")
-    assert torch.equal(mom_read_gathered_reference(**poisoned), gathered)
+    assert torch.equal(mom_read_reference(**poisoned, gathered=True), gathered)
 
 
 def test_dense_read_gradcheck_float64():
@@ -363,7 +364,7 @@ def test_dense_read_gradcheck_float64():
     args = [inp[n].clone().requires_grad_(True) for n in names]
     assert torch.autograd.gradcheck(fn, args)
     assert torch.autograd.gradcheck(
-        lambda q, k, v, g: mom_read_gathered_reference(q, k, v, inp["top_idx"], g, inp["block_size"]), args)
+        lambda q, k, v, g: mom_read_reference(q, k, v, inp["top_idx"], g, inp["block_size"], gathered=True), args)
 
 
 def test_router_and_aux_gradcheck_float64():
@@ -413,13 +414,8 @@ def test_decode_prefill_and_steps_equal_the_full_forward():
     with torch.no_grad():
         full, cache = m(x, M_blocks=bank)
         assert cache is None
-        out, state = m(x[:, :5], cache=m.empty_cache(x.shape[0]), M_blocks=bank)
-        outs = [out]
-        for t in range(5, 16):
-            out, state = m(x[:, t:t + 1], M_blocks=bank, cache=state)
-            outs.append(out)
+        decoded, state = prefill_then_decode(m, x, cache=m.empty_cache(x.shape[0]), prefill=5, M_blocks=bank)
         chunked, state2 = m(x[:, 5:], M_blocks=bank, cache=m(x[:, :5], cache=m.empty_cache(2), M_blocks=bank).cache)
-    decoded = torch.cat(outs, 1)
     assert isinstance(state, MoMReadCache) and state.length == 16 and state2.length == 16
     assert state.kept_count is None and state.batch == 2 and state.dtype == torch.float32
     torch.testing.assert_close(state.prefix_sum, x.sum(1), atol=1e-5, rtol=1e-5)

@@ -10,6 +10,8 @@ from laminae.primitives.mosrah import (MoSRAH, bea_packed_reference, load_balanc
                                        mosrah_route, pack_experts, pack_rows, unpack_experts)
 
 from . import _shram_tiny
+from .._decoding import prefill_then_decode
+from .._fixtures import load_fixture
 from .._helpers import host_reads
 
 
@@ -37,7 +39,7 @@ def _ref(m, x, pos=None, mask=None, upcast=True, **over):
 
 @pytest.mark.parametrize("name", ["shram_tiny", "shram_tiny_yarn"])
 def test_matches_public_implementation_fixture(name):
-    cfg, w, inputs, expected = _shram_tiny.load(name)
+    cfg, w, inputs, expected = load_fixture(name)
     layers = _shram_tiny.build_layers(cfg, w)
     logits, loss, lb, vio = _shram_tiny.forward(cfg, w, layers, inputs["input_ids"], inputs["labels"])
     torch.testing.assert_close(logits, expected["logits"], atol=1e-4, rtol=0)
@@ -315,16 +317,7 @@ def test_main_sequence_is_relative():
 
 
 def _decode(m, x, prefill, mask=None):
-    cache = m.empty_cache(x.shape[0])
-    outs = []
-    step = m(x[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill], cache=cache)
-    outs.append(step.output)
-    cache = step.cache
-    for t in range(prefill, x.shape[1]):
-        step = m(x[:, t:t + 1], attention_mask=None if mask is None else mask[:, t:t + 1], cache=cache)
-        outs.append(step.output)
-        cache = step.cache
-    return torch.cat(outs, 1), cache
+    return prefill_then_decode(m, x, cache=m.empty_cache(x.shape[0]), prefill=prefill, attention_mask=mask)
 
 
 @pytest.mark.parametrize("rope_mode", ["main_sequence", "semantic_sequence"])

@@ -10,7 +10,8 @@ from laminae.primitives.shared_matrix import (MATRICES, ElasticTiers, Readout, S
                                               save_subnetwork, shared_matrix_block, shared_matrix_reference,
                                               tier_parameter_count)
 
-from ._elastic_model import ElasticDecoder, dense_logits, load_fixture
+from .._fixtures import load_fixture
+from ._elastic_model import ElasticDecoder, dense_logits
 
 MODEL_KEYS = ("vocab_size", "num_hidden_layers", "max_position_embeddings", "rope_theta", "rope_precision",
               "rms_norm_eps")

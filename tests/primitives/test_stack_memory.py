@@ -9,6 +9,8 @@ from laminae.primitives.stack_memory import (StackMemory, StackMemoryCache, Stac
                                              stack_read_reference, stack_scan_reference, stack_step_reference,
                                              stack_update_reference)
 
+from .._decoding import prefill_then_decode
+
 
 def _logits_for(probs):
     return torch.log(torch.tensor(probs, dtype=torch.float64))
@@ -271,14 +273,9 @@ def test_temporal_prefill_then_steps_equals_full_forward(read_mode):
     keep = torch.ones(2, 9, dtype=torch.bool)
     keep[0, :2] = False
     full = m(x, attention_mask=keep).output
-    cache = m.empty_cache(2)
-    y, cache, _ = m(x[:, :4], attention_mask=keep[:, :4], cache=cache)
-    outs = [y]
-    for t in range(4, 9):
-        y, cache, _ = m(x[:, t:t + 1], attention_mask=keep[:, t:t + 1], cache=cache)
-        outs.append(y)
+    decoded, cache = prefill_then_decode(m, x, cache=m.empty_cache(2), prefill=4, attention_mask=keep)
     assert cache.length == 9
-    torch.testing.assert_close(torch.cat(outs, 1), full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(decoded, full, rtol=1e-6, atol=1e-6)
 
 
 def test_two_branches_from_one_cache_are_independent():

@@ -1,29 +1,22 @@
 """One harness for every recipe: which seed-parity fixture belongs to which recipe.
 
-A new recipe plugs in by adding its fixture folders here (copied from
-shared/fixtures/seed_parity into tests/data/seed_parity). Every recipe module
+A new recipe plugs in by adding its fixture folders to ``SEED_FIXTURES``
+(tests/_fixtures.py). Every recipe module
 provides ``CONFIG.from_seed_config``, ``build``, ``loss``,
 ``load_reference_state_dict`` and ``reference_parameters``.
 """
 from __future__ import annotations
 
 import importlib
-import json
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "seed_parity"
+from .._decoding import prefill_then_decode
+from .._fixtures import SEED_FIXTURES, load_fixture
 
-# fixture folder → recipe module (laminae.recipes.<name>)
-FIXTURES = {
-    "naylis": "naylis",
-    "spikewhale_off": "spikewhale",
-    "spikewhale_on": "spikewhale",
-    "shram_tiny": "shram",
-    "shram_tiny_yarn": "shram",
-}
+# the fixtures every recipe runs through this harness; ShellElastic's tiers have their own
+# tests (test_shell_elastic.py)
+FIXTURES = {name: module for name, module in SEED_FIXTURES.items() if module != "shell_elastic"}
 
 LOGIT_ATOL = 1e-4
 GRAD_ATOL, GRAD_RTOL = 1e-4, 1e-3
@@ -33,21 +26,11 @@ def recipe(fixture: str):
     return importlib.import_module(f"laminae.recipes.{FIXTURES[fixture]}")
 
 
-@lru_cache(maxsize=None)
-def _files(fixture: str):
-    from safetensors.torch import load_file
-
-    folder = DATA / fixture
-    return (json.loads((folder / "config.json").read_text()), load_file(str(folder / "weights.safetensors")),
-            load_file(str(folder / "inputs.safetensors")), load_file(str(folder / "expected.safetensors")))
-
-
 def load(fixture: str):
     """``(recipe module, config, weights, inputs, expected)``; tensors are fresh copies."""
-    seed_config, weights, inputs, expected = _files(fixture)
+    seed_config, weights, inputs, expected = load_fixture(fixture)
     mod = recipe(fixture)
-    clone = lambda d: {k: v.clone() for k, v in d.items()}  # noqa: E731
-    return mod, mod.CONFIG.from_seed_config(seed_config), clone(weights), clone(inputs), clone(expected)
+    return mod, mod.CONFIG.from_seed_config(seed_config), weights, inputs, expected
 
 
 def build_loaded(fixture: str, backend: str = "reference"):
@@ -79,18 +62,14 @@ def tier_gradient_errors(mod, model, expected, tier: str) -> dict[str, float]:
     return gradient_errors(mod, model, tiered)
 
 
-def decode_in_steps(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+def decode_in_steps(model, ids: torch.Tensor, prefill: int, attention_mask: torch.Tensor | None = None,
+                    **kwargs) -> torch.Tensor:
     """Logits of a prefill of ``prefill`` tokens followed by one-token cached steps."""
     from laminae.recipes.assembly.decoder import DecoderCache
 
     with torch.no_grad():
-        out = model(ids[:, :prefill], cache=DecoderCache())
-        steps, cache = [out.logits], out.cache
-        for t in range(prefill, ids.shape[1]):
-            out = model(ids[:, t:t + 1], cache=cache)
-            steps.append(out.logits)
-            cache = out.cache
-    return torch.cat(steps, dim=1)
+        return prefill_then_decode(model, ids, cache=DecoderCache(), prefill=prefill, attention_mask=attention_mask,
+                                   field="logits", **kwargs)[0]
 
 
 def relative_gradient_errors(mod, model, expected, prefix: str = "grad.") -> dict[str, float]:

@@ -8,9 +8,15 @@ import torch
 
 from laminae.recipes.assembly.decoder import DecoderCache
 
+from .._fixtures import DATA, SEED_FIXTURES, load_fixture
 from ._harness import FIXTURES, GRAD_ATOL, LOGIT_ATOL, build_loaded, decode_in_steps, gradient_errors, load
 
 BACKENDS = ["reference", "triton"]
+
+
+def test_every_fixture_folder_is_declared_once():
+    """One list of the fixtures: a folder nobody declares is a seed nobody checks."""
+    assert sorted(p.name for p in DATA.iterdir() if p.is_dir()) == sorted(SEED_FIXTURES)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -83,9 +89,9 @@ def test_loading_is_strict(fixture):
 
 @pytest.mark.parametrize("fixture", sorted(FIXTURES))
 def test_seed_config_rejects_unknown_keys(fixture):
-    from ._harness import _files, recipe
+    from ._harness import recipe
 
-    seed = dict(_files(fixture)[0], not_a_seed_key=1)
+    seed = dict(load_fixture(fixture)[0], not_a_seed_key=1)
     with pytest.raises(ValueError, match="not_a_seed_key"):
         recipe(fixture).CONFIG.from_seed_config(seed)
 

@@ -3,8 +3,6 @@ and loss, gradients at the smallest and widest tier, on both backends; cached de
 per tier, forks, padding, dense extraction, strict loading and the named errors."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,17 +11,15 @@ from laminae.primitives import ConfigError, DTypeError, ShapeError
 from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.recipes import shell_elastic as se
 
-from ._harness import DATA, GRAD_ATOL, LOGIT_ATOL, relative_gradient_errors, tier_gradient_errors
+from .._fixtures import SEED_FIXTURES, load_fixture
+from ._harness import GRAD_ATOL, LOGIT_ATOL, decode_in_steps, relative_gradient_errors, tier_gradient_errors
 
-FIXTURES = ["elastic_fully", "elastic_matformer"]
+FIXTURES = [name for name, module in SEED_FIXTURES.items() if module == "shell_elastic"]
 
 
 def _load(fixture):
-    from safetensors.torch import load_file
-
-    folder = DATA / fixture
-    config = se.CONFIG.from_seed_config(json.loads((folder / "config.json").read_text()))
-    return config, *(load_file(str(folder / f"{n}.safetensors")) for n in ("weights", "inputs", "expected"))
+    seed_config, *tensors = load_fixture(fixture)
+    return se.CONFIG.from_seed_config(seed_config), *tensors
 
 
 def _built(fixture, backend="reference"):
@@ -59,13 +55,7 @@ def test_cached_decoding_matches_the_full_forward_in_every_tier(fixture):
     with torch.no_grad():
         for tier in model.config.tiers:
             full = model(ids, tier=tier).logits
-            out = model(ids[:, :3], cache=DecoderCache(), tier=tier)
-            steps, cache = [out.logits], out.cache
-            for t in range(3, ids.shape[1]):
-                out = model(ids[:, t:t + 1], cache=cache, tier=tier)
-                steps.append(out.logits)
-                cache = out.cache
-            assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-5, tier
+            assert (decode_in_steps(model, ids, 3, tier=tier) - full).abs().max().item() <= 1e-5, tier
 
 
 def test_two_continuations_of_one_cache_are_both_right():
@@ -143,7 +133,7 @@ def test_loading_is_strict():
 
 
 def test_seed_config_and_model_errors():
-    seed = json.loads((DATA / "elastic_fully" / "config.json").read_text())
+    seed = load_fixture("elastic_fully")[0]
     with pytest.raises(ConfigError, match="not_a_seed_key"):
         se.CONFIG.from_seed_config(dict(seed, not_a_seed_key=1))
     with pytest.raises(ConfigError, match="rope_precision"):

@@ -13,7 +13,8 @@ from laminae.primitives import ConfigError
 from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.recipes import shram
 
-from ._harness import LOGIT_ATOL, _files, build_loaded, relative_gradient_errors
+from .._fixtures import load_fixture
+from ._harness import LOGIT_ATOL, build_loaded, decode_in_steps, relative_gradient_errors
 
 TINY = dict(vocab_size=64, embedding_width=32, mlp_width=48, num_decoder_layers=2, num_sliding_window_heads=2,
             num_mosrah_heads=4, num_selected_heads=2, head_dim=8, window_size=3, training_sequence_length=16,
@@ -33,17 +34,6 @@ def test_loss_parts_and_max_vio_match_the_seed(fixture):
     assert max(rel.values()) < 1e-4, f"{max(rel, key=rel.get)} off by {max(rel.values()):.1e}"
 
 
-def _decode(model, ids, keep, prefill):
-    with torch.no_grad():
-        out = model(ids[:, :prefill], keep[:, :prefill], cache=DecoderCache())
-        steps, cache = [out.logits], out.cache
-        for t in range(prefill, ids.shape[1]):
-            out = model(ids[:, t:t + 1], keep[:, t:t + 1], cache=cache)
-            steps.append(out.logits)
-            cache = out.cache
-    return torch.cat(steps, 1)
-
-
 @pytest.mark.parametrize("fixture", ["shram_tiny", "shram_tiny_yarn"])
 def test_left_padding_and_holes_decode_like_the_full_forward(fixture):
     _, model, inputs, _ = build_loaded(fixture)
@@ -54,7 +44,7 @@ def test_left_padding_and_holes_decode_like_the_full_forward(fixture):
     keep[1, 8] = False           # a hole among the steps
     with torch.no_grad():
         full = model(ids, keep).logits
-    inc = _decode(model, ids, keep, 6)
+    inc = decode_in_steps(model, ids, 6, keep)
     torch.testing.assert_close(inc[keep], full[keep], atol=1e-5, rtol=0)
 
 
@@ -122,12 +112,12 @@ def test_both_position_modes_train_and_decode(rope_mode):
     model.eval()
     with torch.no_grad():
         full = model(ids).logits
-    inc = _decode(model, ids, torch.ones_like(ids, dtype=torch.bool), 4)
+    inc = decode_in_steps(model, ids, 4, torch.ones_like(ids, dtype=torch.bool))
     torch.testing.assert_close(inc, full, atol=1e-5, rtol=0)
 
 
 def test_tied_embeddings_load_from_one_tensor():
-    seed, weights, inputs, _ = _files("shram_tiny")
+    seed, weights, inputs, _ = load_fixture("shram_tiny")
     config = shram.CONFIG.from_seed_config(dict(seed, tie_word_embeddings=True))
     model = shram.build(config, backend="reference")
     tied = {k: v for k, v in weights.items() if k != "lm_head.weight"}
@@ -137,7 +127,7 @@ def test_tied_embeddings_load_from_one_tensor():
 
 
 def test_seed_config_aliases_and_errors():
-    seed = dict(_files("shram_tiny")[0])
+    seed = dict(load_fixture("shram_tiny")[0])
     config = shram.CONFIG.from_seed_config(dict(seed, hidden_size=999, num_hidden_layers=7))
     assert config.embedding_width == seed["embedding_width"] and config.num_decoder_layers == 2   # E9
     renamed = {k: v for k, v in seed.items() if k != "mlp_width"}

@@ -23,6 +23,7 @@ from laminae.triton_ops.derf import (
 )
 from laminae.triton_ops.testing import parity_float64
 
+from .._decoding import prefill_then_decode
 from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
 
 ATTN_GRADS = ["q", "k", "v", "derf_alpha", "derf_bias", "derf_gamma"]
@@ -286,14 +287,8 @@ def test_module_decode_with_triton_equals_full_forward(with_mask):
     with torch.no_grad():
         full, _ = m(q, k, v, mask)
         ref = derf_attention_reference(q, k, v, m.derf_alpha, m.derf_bias, m.derf_gamma, mask)
-        cache = m.empty_cache(B)
-        outs, start = [], 0
-        for size in (6, 2, 1, 1, 1, 1):
-            sl = slice(start, start + size)
-            out, cache = m(q[:, sl], k[:, sl], v[:, sl], None if mask is None else mask[:, sl], cache=cache)
-            outs.append(out)
-            start += size
-    steps = torch.cat(outs, dim=1)
+        steps, _ = prefill_then_decode(m, q, k, v, cache=m.empty_cache(B), chunks=(6, 2, 1, 1, 1, 1),
+                                       attention_mask=mask)
     torch.testing.assert_close(steps, full, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(full, ref, atol=2e-5, rtol=2e-4)
 

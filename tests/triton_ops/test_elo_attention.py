@@ -10,6 +10,7 @@ from laminae.primitives import BackendUnavailableError, DTypeError
 from laminae.primitives.elo_attention import EloAttention, elo_attention_reference
 from laminae.triton_ops.elo_attention import elo_attention, elo_attention_op
 
+from .._decoding import prefill_then_decode
 from .._helpers import DEVICE, assert_parity, scales, seeds
 
 elo_triton = importlib.import_module("laminae.triton_ops.elo_attention")  # the kernel file, not the function
@@ -101,15 +102,9 @@ def test_module_triton_decoding_equals_reference_full_forward(small_tiles):
         m.backend = "reference"
         full, full_cache = m(q, k, v, attention_mask=keep, cache=m.empty_cache(B))
         m.backend = "triton"
-        outs = []
-        out, cache = m(q[:, :prefill], k[:, :prefill], v[:, :prefill], attention_mask=keep[:, :prefill],
-                       cache=m.empty_cache(B))
-        outs.append(out)
-        for t in range(prefill, S):
-            out, cache = m(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], attention_mask=keep[:, t:t + 1],
-                           cache=cache)
-            outs.append(out)
-    torch.testing.assert_close(torch.cat(outs, 1), full, atol=2e-5, rtol=2e-4)
+        stepped, cache = prefill_then_decode(m, q, k, v, cache=m.empty_cache(B), prefill=prefill,
+                                             attention_mask=keep)
+    torch.testing.assert_close(stepped, full, atol=2e-5, rtol=2e-4)
     torch.testing.assert_close(cache.rating, full_cache.rating, atol=2e-5, rtol=2e-4)
 
 

@@ -25,6 +25,7 @@ from laminae.triton_ops.engram import (
     engram_lookup_fused,
 )
 
+from .._decoding import prefill_then_decode
 from .._helpers import DEVICE, assert_parity, scales, seeds
 
 
@@ -399,16 +400,11 @@ def test_left_padded_prefill_then_steps_equals_the_unpadded_run(backend, prefill
     x = torch.where(mask[..., None], x, float("nan"))
     with torch.no_grad():
         full = engram(x, attention_mask=mask)
-        res = engram(x[:, :prefill], mask[:, :prefill], engram.empty_cache(2))
-        reads, outs, cache = [res.retrieved], [res.output], res.cache
-        for t in range(prefill, 9):
-            res = engram(x[:, t:t + 1], mask[:, t:t + 1], cache)
-            reads.append(res.retrieved)
-            outs.append(res.output)
-            cache = res.cache
+        (reads, outs), cache = prefill_then_decode(engram, x, cache=engram.empty_cache(2), prefill=prefill,
+                                                   attention_mask=mask, field=("retrieved", "output"))
         alone = engram(x[:1, 3:])
-    torch.testing.assert_close(torch.cat(reads, 1), full.retrieved, atol=0, rtol=0)
-    torch.testing.assert_close(torch.cat(outs, 1), full.output)
+    torch.testing.assert_close(reads, full.retrieved, atol=0, rtol=0)
+    torch.testing.assert_close(outs, full.output)
     torch.testing.assert_close(full.retrieved[:1, 3:], alone.retrieved)
 
 

@@ -20,6 +20,7 @@ from laminae.primitives.lucid_attention import (
 from laminae.triton_ops._parity import FLOAT64_ABS_RMS, _run, parity
 from laminae.triton_ops.lucid_attention import lucid_attention, lucid_precondition, lucid_precondition_extend
 
+from .._decoding import prefill_then_decode
 from .._helpers import DEVICE, assert_parity, scales, seeds
 
 lucid_ops = importlib.import_module("laminae.triton_ops.lucid_attention")  # the kernel file, not the function
@@ -285,14 +286,9 @@ def test_module_triton_backend_prefill_and_decode():
     tri = LucidAttention(H, HKV, D, backend="triton")
     full_ref, _ = ref(q, k, v, keep)
     with forced_tiles():
-        out, cache = tri(q[:, :P], k[:, :P], v[:, :P], keep[:, :P], tri.empty_cache(B, device=DEVICE))
-        outs = [out]
-        for t in range(P, P + 3):
-            out, cache = tri(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], keep[:, t:t + 1], cache=cache)
-            outs.append(out)
-        out, cache = tri(q[:, P + 3:], k[:, P + 3:], v[:, P + 3:], keep[:, P + 3:], cache=cache)
-        outs.append(out)
-    torch.testing.assert_close(torch.cat(outs, 1), full_ref, atol=2e-5, rtol=2e-4)
+        decoded, cache = prefill_then_decode(tri, q, k, v, cache=tri.empty_cache(B, device=DEVICE),
+                                             chunks=[P, 1, 1, 1, T - P - 3], attention_mask=keep)
+    torch.testing.assert_close(decoded, full_ref, atol=2e-5, rtol=2e-4)
     ref_cache = ref(q, k, v, keep, ref.empty_cache(B, device=DEVICE))[1]
     torch.testing.assert_close(cache.values, ref_cache.values, atol=2e-5, rtol=2e-4)
 

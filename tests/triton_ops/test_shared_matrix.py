@@ -9,7 +9,8 @@ from laminae.primitives.shared_matrix import Readout, SharedMatrix, shared_matri
 from laminae.triton_ops.shared_matrix import shared_matrix, shared_matrix_linear
 
 from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
-from ..primitives._elastic_model import ElasticDecoder, load_fixture
+from .._fixtures import load_fixture
+from ..primitives._elastic_model import ElasticDecoder
 
 GRADS = ["x", "weight", "delta", "scale"]
 

@@ -9,6 +9,8 @@ from laminae.primitives import (AffineScaledAttention, ConfigError, DERFAttentio
 from laminae.primitives.blocks.gqa import GroupedQueryAttention, depth_mix_values, sdpa_core
 from laminae.primitives.blocks.rotary import RotaryEmbedding
 
+from ..._decoding import prefill_then_decode
+
 
 def explicit_attention(q, k, v, keep=None):
     B, S, H, D = q.shape
@@ -53,12 +55,8 @@ def test_prefill_then_steps_equals_full_forward(core, options):
     with torch.no_grad():
         full = attn(x, position_ids=pos)
         assert full.cache is None                                 # no cache given: no decoding
-        out, cache, _ = attn(x[:, :4], cache=attn.empty_cache(2), position_ids=pos[:, :4])
-        outs = [out]
-        for t in range(4, 9):
-            out, cache, _ = attn(x[:, t:t + 1], cache=cache, position_ids=pos[:, t:t + 1])
-            outs.append(out)
-    torch.testing.assert_close(torch.cat(outs, 1), full.output, atol=1e-5, rtol=1e-5)
+        decoded, _ = prefill_then_decode(attn, x, cache=attn.empty_cache(2), prefill=4, sliced={"position_ids": pos})
+    torch.testing.assert_close(decoded, full.output, atol=1e-5, rtol=1e-5)
 
 
 def test_cache_is_not_mutated_and_forks_are_independent():

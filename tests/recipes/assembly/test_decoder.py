@@ -13,6 +13,8 @@ from laminae.primitives.blocks.norms import RMSNorm
 from laminae.primitives.blocks.rotary import RotaryEmbedding
 from laminae.primitives.blocks.swiglu import SwiGLU
 
+from ..._decoding import prefill_then_decode
+
 
 def test_layer_plans():
     assert layer_plan(3) == [(0, None), (1, None), (2, None)]
@@ -60,13 +62,8 @@ def test_looped_plan_decodes_like_the_full_forward_and_ties_weights():
     ids = torch.randint(50, (2, 7))
     with torch.no_grad():
         full = lm(ids).logits
-        out = lm(ids[:, :2], cache=DecoderCache())
-        steps, cache = [out.logits], out.cache
-        for t in range(2, 7):
-            out = lm(ids[:, t:t + 1], cache=cache)
-            steps.append(out.logits)
-            cache = out.cache
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
+        steps, cache = prefill_then_decode(lm, ids, cache=DecoderCache(), prefill=2, field="logits")
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
     cache.reset()
     assert cache.length == 0 and cache.slots is None
 
