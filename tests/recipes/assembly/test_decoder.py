@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
-from laminae.recipes.assembly.decoder import (Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
+from laminae.recipes.assembly.decoder import (Branch, CausalLM, DecoderModel, ResidualBlock,
                                         layer_plan)
 from laminae.primitives.blocks.gqa import GroupedQueryAttention
 from laminae.primitives.blocks.hyper_connections import HCOutputMix, HyperConnection, expand_streams
@@ -60,7 +60,7 @@ def test_looped_plan_decodes_like_the_full_forward_and_ties_weights():
     ids = torch.randint(50, (2, 7))
     with torch.no_grad():
         full = lm(ids).logits
-        out = lm(ids[:, :2], cache=DecoderCache())
+        out = lm(ids[:, :2], cache=lm.empty_cache(ids.shape[0]))
         steps, cache = [out.logits], out.cache
         for t in range(2, 7):
             out = lm(ids[:, t:t + 1], cache=cache)
@@ -69,6 +69,17 @@ def test_looped_plan_decodes_like_the_full_forward_and_ties_weights():
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
     cache.reset()
     assert cache.length == 0 and cache.slots is None
+
+
+def test_empty_cache_dtype_reaches_every_layer_cache():
+    """The layers' caches start in ``empty_cache``'s dtype; None leaves each layer its own."""
+    lm = tiny_llama().double().eval()
+    ids = torch.randint(50, (2, 3))
+    with torch.no_grad():
+        slots = lm(ids, cache=lm.empty_cache(2)).cache.slots
+        assert {c.dtype for slot in slots for c in slot.values() if c is not None} == {torch.float64}
+        with pytest.raises(DTypeError, match="`cache` holds float32"):
+            lm(ids, cache=lm.empty_cache(2, dtype=torch.float32))
 
 
 def test_padded_rows_equal_unpadded_rows():
@@ -97,7 +108,7 @@ def test_named_errors():
         lm(torch.zeros(1, 3, dtype=torch.long, device="meta"))
     other = tiny_llama(3)
     with torch.no_grad():
-        cache = other(torch.zeros(1, 2, dtype=torch.long), cache=DecoderCache()).cache
+        cache = other(torch.zeros(1, 2, dtype=torch.long), cache=other.empty_cache(1)).cache
         with pytest.raises(ConfigError, match="cache"):
             lm(torch.zeros(1, 1, dtype=torch.long), cache=cache)
     with pytest.raises(ConfigError, match="plan"):
