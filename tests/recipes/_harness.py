@@ -81,10 +81,8 @@ def tier_gradient_errors(mod, model, expected, tier: str) -> dict[str, float]:
 
 def decode_in_steps(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
     """Logits of a prefill of ``prefill`` tokens followed by one-token cached steps."""
-    from laminae.recipes.assembly.decoder import DecoderCache
-
     with torch.no_grad():
-        out = model(ids[:, :prefill], cache=DecoderCache())
+        out = model(ids[:, :prefill], cache=model.empty_cache(ids.shape[0]))
         steps, cache = [out.logits], out.cache
         for t in range(prefill, ids.shape[1]):
             out = model(ids[:, t:t + 1], cache=cache)
