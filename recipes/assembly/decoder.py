@@ -46,8 +46,8 @@ from torch import nn
 
 from laminae.primitives._cache import DecodingCache
 from laminae.primitives._errors import ConfigError, DeviceError, DTypeError, ShapeError
-from laminae.primitives._validation import (FLOAT_DTYPES, check_context, check_has_tokens, check_keep_mask, check_positive_int,
-                                            check_same_device, check_tensor)
+from laminae.primitives._validation import (FLOAT_DTYPES, check_context, check_has_tokens, check_keep_mask,
+                                            check_positive_int, check_same_device, check_tensor)
 from laminae.primitives.blocks.hyper_connections import HCOutputMix, HyperConnection, expand_streams
 
 __all__ = ["BlockContext", "Branch", "BRANCH_CALLS", "ResidualBlock", "layer_plan", "DecoderCache",
@@ -90,11 +90,12 @@ class _NamedCall:
     """How :class:`ResidualBlock` calls one branch module, read once from its forward's
     parameters: the activation first, then by name ``attention_mask``, ``cache`` (the
     branch's own from the previous call, or the one :class:`ResidualBlock` started from
-    its ``empty_cache`` on the first decoding call; None in training), ``position_ids``, ``depth_sources`` and any ``ctx.shared`` entry
-    of the same name (``M_blocks``, ``ngram``, ...). A NamedTuple result is read by
-    field name: ``output``, ``cache``, and the extras the decoder collects
-    (``aux_loss``/``load_balance_loss`` into the aux losses, ``max_vio`` into the
-    metrics as the max over layers, ``depth_entry`` into the depth sources)."""
+    its ``empty_cache`` on the first decoding call; None in training), ``position_ids``,
+    ``depth_sources`` and any ``ctx.shared`` entry of the same name (``M_blocks``,
+    ``ngram``, ...). A NamedTuple result is read by field name: ``output``, ``cache``,
+    and the extras the decoder collects (``aux_loss``/``load_balance_loss`` into the aux
+    losses, ``max_vio`` into the metrics as the max over layers, ``depth_entry`` into
+    the depth sources)."""
 
     CONTEXT = ("attention_mask", "cache", "position_ids", "depth_sources")
 
@@ -411,7 +412,8 @@ class DecoderModel(nn.Module):
         check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=self.embed_tokens.weight)
         if cache is not None:
             if not isinstance(cache, DecoderCache):
-                raise TypeError(f"`cache` must be a DecoderCache (from empty_cache) or None, got {type(cache).__name__}")
+                raise TypeError("`cache` must be a DecoderCache (from empty_cache) or None, "
+                                f"got {type(cache).__name__}")
             cache.check(self.signature, input_ids)
         check_context("input_ids", cache.length if cache is not None else 0, input_ids.shape[1], self.max_positions)
 

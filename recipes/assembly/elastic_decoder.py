@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from laminae.primitives._backend import Backend, check_backend, resolve_backend
-from laminae.primitives._errors import ConfigError, ShapeError
+from laminae.primitives._errors import ShapeError
 from laminae.primitives._validation import (check_choice, check_context, check_has_tokens, check_keep_mask,
                                             check_positive_int, check_tensor)
 from laminae.primitives.blocks.gqa import KVCache, sdpa_core
@@ -218,7 +218,8 @@ class ElasticCausalLM(nn.Module):
         past = 0
         if cache is not None:
             if not isinstance(cache, DecoderCache):
-                raise TypeError(f"`cache` must be a DecoderCache (from empty_cache) or None, got {type(cache).__name__}")
+                raise TypeError("`cache` must be a DecoderCache (from empty_cache) or None, "
+                                f"got {type(cache).__name__}")
             cache.check(self.signature(tier), input_ids)
             past = cache.length
         check_context("input_ids", past, input_ids.shape[1], self.max_positions)

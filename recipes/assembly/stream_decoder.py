@@ -14,7 +14,8 @@ mode: per token, carried from layer to layer) and the KV caches travel in a
 :class:`FlowContext` built per call, so no module keeps per-call state.
 
 Decoding: ``cache = model.empty_cache(batch)``, then ``forward(ids, cache=cache)``
-returns a new cache (one KV cache per layer, each never mutated in place), so two continuations of one cache are both right.
+returns a new cache (one KV cache per layer, each never mutated in place), so two
+continuations of one cache are both right.
 Depth-mode StackMemory mixes nothing across positions, so it needs no decoding state.
 """
 from __future__ import annotations
@@ -172,7 +173,8 @@ class StreamDecoderModel(nn.Module):
         check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=next(self.parameters()))
         if cache is not None:
             if not isinstance(cache, DecoderCache):
-                raise TypeError(f"`cache` must be a DecoderCache (from empty_cache) or None, got {type(cache).__name__}")
+                raise TypeError("`cache` must be a DecoderCache (from empty_cache) or None, "
+                                f"got {type(cache).__name__}")
             cache.check(self.signature, input_ids)
         check_context("input_ids", cache.length if cache is not None else 0, input_ids.shape[1], self.max_positions)
 
