@@ -51,8 +51,6 @@ def _grad_errors(mod, model, grads: dict) -> tuple[float, float]:
 
 def check(fixture: str, backend: str = "reference") -> dict:
     """``{logits, loss, grad, grad_margin, decode, ok}`` for one fixture and backend."""
-    from laminae.recipes.assembly.decoder import DecoderCache
-
     mod, model, inputs, expected = _load(fixture, backend)
     ids, labels = inputs["input_ids"], inputs["labels"]
     tiers = [k[len("logits."):] for k in expected if k.startswith("logits.")] or [None]
@@ -72,7 +70,7 @@ def check(fixture: str, backend: str = "reference") -> dict:
         res["grad"], res["grad_margin"] = max(res["grad"], g_abs), max(res["grad_margin"], g_margin)
     with torch.no_grad():
         full = model(ids).logits
-        out = model(ids[:, :3], cache=DecoderCache())
+        out = model(ids[:, :3], cache=model.empty_cache(ids.shape[0]))
         steps, cache = [out.logits], out.cache
         for t in range(3, ids.shape[1]):
             out = model(ids[:, t:t + 1], cache=cache)

@@ -29,14 +29,15 @@ whose wiring its names cannot say registers one in :data:`BRANCH_CALLS`.
 ``plan`` of (layer, pass) pairs (see :func:`layer_plan`; a new pass adds
 ``loop_pass_embed[pass]``) → optional stream mix → optional refiner (HRM) → ``norm``.
 
-Decoding: ``forward(ids, cache=DecoderCache())`` returns a new cache; the one passed
-in is left as it was (every block state returns a fresh object), so two different
+Decoding: ``cache = model.empty_cache(batch)``, then ``out = model(ids, cache=cache)``
+and ``cache = out.cache`` for the prefill and every step; each call returns a new cache
+and the one passed in is left as it was (every block state returns a fresh object), so two different
 next steps from one cache are both right.
 """
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -44,9 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from laminae.primitives._cache import DecodingCache
-from laminae.primitives._errors import ConfigError, ShapeError
-from laminae.primitives._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int,
-                                            check_same_device, check_tensor)
+from laminae.primitives._errors import ConfigError, DeviceError, DTypeError, ShapeError
+from laminae.primitives._validation import (FLOAT_DTYPES, check_context, check_has_tokens, check_keep_mask,
+                                            check_positive_int, check_same_device, check_tensor)
 from laminae.primitives.blocks.hyper_connections import HCOutputMix, HyperConnection, expand_streams
 
 __all__ = ["BlockContext", "Branch", "BRANCH_CALLS", "ResidualBlock", "layer_plan", "DecoderCache",
@@ -67,6 +68,7 @@ class BlockContext:
     aux_losses: list = field(default_factory=list)
     decoding: bool = False
     metrics: dict = field(default_factory=dict)      # monitoring values a branch reports (detached)
+    cache_dtype: torch.dtype | None = None           # the branches' caches start in it (None: their own)
 
 
 BranchCall = Callable[[nn.Module, torch.Tensor, BlockContext, Any], tuple[torch.Tensor, Any]]
@@ -87,12 +89,13 @@ def _on_streams(value: Any, h: torch.Tensor) -> Any:
 class _NamedCall:
     """How :class:`ResidualBlock` calls one branch module, read once from its forward's
     parameters: the activation first, then by name ``attention_mask``, ``cache`` (the
-    branch's own from the previous call; its ``empty_cache`` on the first decoding call;
-    None in training), ``position_ids``, ``depth_sources`` and any ``ctx.shared`` entry
-    of the same name (``M_blocks``, ``ngram``, ...). A NamedTuple result is read by
-    field name: ``output``, ``cache``, and the extras the decoder collects
-    (``aux_loss``/``load_balance_loss`` into the aux losses, ``max_vio`` into the
-    metrics as the max over layers, ``depth_entry`` into the depth sources)."""
+    branch's own from the previous call, or the one :class:`ResidualBlock` started from
+    its ``empty_cache`` on the first decoding call; None in training), ``position_ids``,
+    ``depth_sources`` and any ``ctx.shared`` entry of the same name (``M_blocks``,
+    ``ngram``, ...). A NamedTuple result is read by field name: ``output``, ``cache``,
+    and the extras the decoder collects (``aux_loss``/``load_balance_loss`` into the aux
+    losses, ``max_vio`` into the metrics as the max over layers, ``depth_entry`` into
+    the depth sources)."""
 
     CONTEXT = ("attention_mask", "cache", "position_ids", "depth_sources")
 
@@ -111,8 +114,6 @@ class _NamedCall:
             if name == "attention_mask":
                 kwargs[name] = ctx.attention_mask
             elif name == "cache":
-                if ctx.decoding and state is None:
-                    state = module.empty_cache(h.shape[0], device=h.device)
                 kwargs[name] = state if ctx.decoding else None
             elif name == "position_ids":
                 kwargs[name] = ctx.positions
@@ -140,6 +141,12 @@ class _NamedCall:
         if extras.get("depth_entry") is not None:
             ctx.depth_sources.append(extras["depth_entry"])
         return out.output, (extras.get("cache") if ctx.decoding else None)
+
+
+def _decodes(module: nn.Module, call: BranchCall) -> bool:
+    """Whether a branch keeps a decoding cache: its forward takes ``cache`` (a call by
+    name), or it has an ``empty_cache`` (a registered or own call)."""
+    return "cache" in call.names if isinstance(call, _NamedCall) else hasattr(module, "empty_cache")
 
 
 def _branch_call(module: nn.Module, call: BranchCall | None = None) -> BranchCall:
@@ -188,7 +195,7 @@ class ResidualBlock(nn.Module):
         if hyper_connections is not None and len(hyper_connections) != len(stages):
             raise ConfigError(f"`hyper_connections` names one per stage ({len(stages)}), got {len(hyper_connections)}")
         self.stages = [[b.name for b in stage] for stage in stages]
-        self._norm_names, self._gated, self._calls = {}, set(), {}
+        self._norm_names, self._gated, self._calls, self._decoding = {}, set(), {}, set()
         for stage in stages:
             for b in stage:
                 self.add_module(b.name, b.module)
@@ -199,6 +206,8 @@ class ResidualBlock(nn.Module):
                     self.register_parameter(f"{b.name}_gate", nn.Parameter(torch.zeros(1)))
                     self._gated.add(b.name)
                 self._calls[b.name] = _branch_call(b.module, b.call)
+                if _decodes(b.module, self._calls[b.name]):
+                    self._decoding.add(b.name)
         self.hc_names = list(hyper_connections) if hyper_connections else None
         for name in self.hc_names or ():
             self.add_module(name, HyperConnection(hc_mult))
@@ -223,7 +232,11 @@ class ResidualBlock(nn.Module):
             out = None
             for name in names:
                 inp = getattr(self, self._norm_names[name])(h) if name in self._norm_names else h
-                y, new_state[name] = self._calls[name](getattr(self, name), inp, ctx, state.get(name))
+                module, branch_state = getattr(self, name), state.get(name)
+                if ctx.decoding and branch_state is None and name in self._decoding:
+                    # the first decoding call starts the branch's own cache
+                    branch_state = module.empty_cache(inp.shape[0], dtype=ctx.cache_dtype, device=inp.device)
+                y, new_state[name] = self._calls[name](module, inp, ctx, branch_state)
                 y = F.dropout(y, p=self.dropout, training=self.training)
                 if name in self._gated:
                     y = torch.tanh(getattr(self, f"{name}_gate")) * y
@@ -257,15 +270,26 @@ def layer_plan(num_layers: int, loop_count: int = 1, mode: str = "full",
 
 @dataclass(eq=False)
 class DecoderCache(DecodingCache):
-    """Decoding state of a :class:`DecoderModel`: tokens seen, one cache per plan slot
-    (each block's own protocol cache), the input stage's cache. Start with
-    ``DecoderCache()``; pass back what the model returns (a new object: the one passed
-    in is unchanged). ``reset()`` empties it for a new generation."""
+    """Decoding state of a decoder model (:class:`DecoderModel`, :class:`CausalLM`, the
+    stream and elastic decoders): tokens seen, one cache per plan slot (each block's own
+    protocol cache, started from its ``empty_cache`` on the first call), the input
+    stage's cache, and where the layers' caches live. Start one with the model's
+    ``empty_cache(batch)``; this class is public as a type (``isinstance``,
+    annotations), not as a way to start decoding. Pass back what the model returns (a
+    new object: the one passed in is unchanged). ``reset()`` empties it for a new
+    generation.
+
+    ``batch`` and ``device`` are those of the calls it continues; ``dtype`` is the
+    dtype its layers' caches start in, None (the default) letting each layer pick its
+    own (its parameters', or autocast's where its ``empty_cache`` says so)."""
 
     length: int = 0
     slots: tuple | None = None
     input_state: Any = None
     signature: tuple | None = None
+    batch: int | None = None
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
 
     @property
     def config(self) -> dict:
@@ -273,6 +297,35 @@ class DecoderCache(DecodingCache):
 
     def reset(self) -> None:
         self.length, self.slots, self.input_state, self.signature = 0, None, None, None
+
+    def check(self, signature: tuple, input_ids: torch.Tensor) -> None:
+        """Named errors unless this cache continues a call of this model (``signature``)
+        on ``input_ids``' batch and device."""
+        if self.signature is not None and self.signature != signature:
+            raise ConfigError(f"`cache` belongs to {self.signature}, this call is {signature}")
+        if self.batch is not None and self.batch != input_ids.shape[0]:
+            raise ShapeError(f"`cache` holds batch size {self.batch}, this call has batch size {input_ids.shape[0]}")
+        if self.device is not None and self.device != input_ids.device:
+            raise DeviceError(f"`cache` is on {self.device}, this call's input_ids are on {input_ids.device}")
+
+    def advanced(self, tokens: int, slots: Sequence, input_state: Any, signature: tuple,
+                 input_ids: torch.Tensor) -> "DecoderCache":
+        """The cache after a call of ``tokens`` more tokens (a new object)."""
+        return replace(self, length=self.length + tokens, slots=tuple(slots), input_state=input_state,
+                       signature=signature, batch=input_ids.shape[0], device=input_ids.device)
+
+
+def start_decoder_cache(model: nn.Module, batch: int, dtype: torch.dtype | None,
+                        device: torch.device | str | None, signature: tuple | None = None) -> DecoderCache:
+    """The empty :class:`DecoderCache` of ``model.empty_cache(batch, dtype=, device=)``:
+    on ``device`` (default: the model's parameters'); the layers' caches start on the
+    first call, from their own ``empty_cache`` in ``dtype`` (None: each layer's own)."""
+    check_positive_int("batch", batch)
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise DTypeError(f"`dtype` of a DecoderCache must be a float dtype or None, got {dtype}")
+    param = next(model.parameters(), None)
+    device = torch.device(device if device is not None else "cpu" if param is None else param.device)
+    return DecoderCache(signature=signature, batch=batch, dtype=dtype, device=device)
 
 
 class DecoderOutput(NamedTuple):
@@ -309,7 +362,9 @@ class DecoderModel(nn.Module):
         max_positions: the context (cached + new tokens); longer inputs raise ShapeError
             before any layer runs (None: no limit).
 
-    ``forward(input_ids [B, S], attention_mask=None, cache=None) -> DecoderOutput``.
+    ``forward(input_ids [B, S], attention_mask=None, cache=None) -> DecoderOutput``;
+    ``cache=None`` decodes nothing (``out.cache`` is None); decoding starts from
+    ``empty_cache(batch)``.
     """
 
     def __init__(self, embed_tokens: nn.Embedding, layers: Sequence[ResidualBlock], norm: nn.Module, *,
@@ -357,10 +412,17 @@ class DecoderModel(nn.Module):
         check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=self.embed_tokens.weight)
         if cache is not None:
             if not isinstance(cache, DecoderCache):
-                raise TypeError(f"`cache` must be a DecoderCache or None, got {type(cache).__name__}")
-            if cache.signature is not None and cache.signature != self.signature:
-                raise ConfigError(f"`cache` belongs to a decoder {cache.signature}, this one is {self.signature}")
+                raise TypeError("`cache` must be a DecoderCache (from empty_cache) or None, "
+                                f"got {type(cache).__name__}")
+            cache.check(self.signature, input_ids)
         check_context("input_ids", cache.length if cache is not None else 0, input_ids.shape[1], self.max_positions)
+
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> DecoderCache:
+        """An empty :class:`DecoderCache` for ``batch`` sequences on ``device`` (default:
+        the parameters'); each branch's cache starts on the first call from its own
+        ``empty_cache``, in ``dtype`` (default None: each branch's own default)."""
+        return start_decoder_cache(self, batch, dtype, device, self.signature)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: DecoderCache | None = None) -> DecoderOutput:
@@ -369,7 +431,7 @@ class DecoderModel(nn.Module):
         past = cache.length if cache is not None else 0
         positions = torch.arange(past, past + S, device=input_ids.device).unsqueeze(0)
         ctx = BlockContext(positions, attention_mask, {n: getattr(self, n) for n in self.shared_names},
-                           decoding=cache is not None)
+                           decoding=cache is not None, cache_dtype=cache.dtype if cache is not None else None)
         x = self.embed_tokens(input_ids)
         if self.value_embedding:
             ctx.shared["token_embed"] = x
@@ -379,7 +441,7 @@ class DecoderModel(nn.Module):
             stage_cache = None
             if cache is not None:
                 stage_cache = (cache.input_state if cache.input_state is not None
-                               else stage.empty_cache(B, dtype=x.dtype, device=x.device))
+                               else stage.empty_cache(B, dtype=cache.dtype or x.dtype, device=x.device))
             read = stage(x, attention_mask, stage_cache)
             input_state, ctx.shared["ngram"] = read.cache, read.retrieved
             x = x + read.output
@@ -411,7 +473,7 @@ class DecoderModel(nn.Module):
                 refine_states = [self.norm(s) for s in states]
         new_cache = None
         if cache is not None:
-            new_cache = DecoderCache(past + S, tuple(new_slots), input_state, self.signature)
+            new_cache = cache.advanced(S, new_slots, input_state, self.signature, input_ids)
         return DecoderOutput(self.norm(x), new_cache, aux, refine_states, ctx.metrics or None)
 
 
@@ -429,7 +491,8 @@ class CausalLM(nn.Module):
     when ``tie_word_embeddings``). Extra heads a recipe's loss uses (MTP, abstention)
     are added with ``add_module``.
 
-    ``forward(input_ids, attention_mask=None, cache=None) -> LMOutput``.
+    ``forward(input_ids, attention_mask=None, cache=None) -> LMOutput``; decoding starts
+    from ``empty_cache(batch)`` (the decoder's).
     ``logits_fn(hidden)`` applies the LM head (shared by MTP heads)."""
 
     def __init__(self, model: DecoderModel, vocab_size: int, *, tie_word_embeddings: bool = False,
@@ -444,6 +507,11 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(tie_word_embeddings)
         if tie_word_embeddings:
             self.lm_head.weight = model.embed_tokens.weight
+
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> DecoderCache:
+        """The decoder's :meth:`DecoderModel.empty_cache`: the cache decoding starts from."""
+        return self.model.empty_cache(batch, dtype=dtype, device=device)
 
     def logits_fn(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

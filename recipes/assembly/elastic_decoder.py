@@ -18,8 +18,9 @@ n entries of every norm gain::
 Module names are the seed's (``layers.{i}.attn.q_proj`` …), so its checkpoints load
 as they are and :func:`~laminae.primitives.shared_matrix.extract_tier` finds every
 matrix. ``forward(ids, attention_mask=None, cache=None, tier=None) -> LMOutput``;
-decoding keeps one :class:`~laminae.primitives.KVCache` per layer inside a
-:class:`~laminae.recipes.assembly.decoder.DecoderCache` tied to the tier.
+decoding starts from ``empty_cache(batch)`` and keeps one
+:class:`~laminae.primitives.KVCache` per layer inside a
+:class:`~laminae.recipes.assembly.decoder.DecoderCache` tied to the tier of its first call.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from laminae.primitives._backend import Backend, check_backend, resolve_backend
-from laminae.primitives._errors import ConfigError, ShapeError
+from laminae.primitives._errors import ShapeError
 from laminae.primitives._validation import (check_choice, check_context, check_has_tokens, check_keep_mask,
                                             check_positive_int, check_tensor)
 from laminae.primitives.blocks.gqa import KVCache, sdpa_core
@@ -38,7 +39,7 @@ from laminae.primitives.blocks.norms import RMSNorm, rms_norm
 from laminae.primitives.blocks.rotary import RotaryEmbedding, apply_rotary
 from laminae.primitives.shared_matrix import ElasticTiers, SharedMatrix, extract_tier
 
-from .decoder import DecoderCache, LMOutput
+from .decoder import DecoderCache, LMOutput, start_decoder_cache
 
 __all__ = ["ROPE_PRECISIONS", "ElasticAttention", "ElasticMLP", "ElasticLayer",
            "ElasticCausalLM"]
@@ -78,7 +79,8 @@ class ElasticAttention(nn.Module):
         self.k_norm = RMSNorm(tiers.hidden_size, eps)
 
     def forward(self, x: torch.Tensor, linear: _TierLinear, cos: torch.Tensor, sin: torch.Tensor,
-                keep: torch.Tensor | None, cache: KVCache | None, signature: tuple, decoding: bool):
+                keep: torch.Tensor | None, cache: KVCache | None, signature: tuple, decoding: bool,
+                cache_dtype: torch.dtype | None = None):
         B, S, n = x.shape
         shape = (B, S, n // self.head_dim, self.head_dim)
         gate = linear("attn.gate_proj", self.gate_proj, x).view(shape)
@@ -93,7 +95,7 @@ class ElasticAttention(nn.Module):
             # the library's one KV cache (primitives/_cache.py), tied to this tier's signature
             config = {"num_kv_heads": k.shape[2], "head_dim": self.head_dim, "signature": signature}
             if cache is None:
-                cache = KVCache._empty(B, config, dtype=k.dtype, device=k.device)
+                cache = KVCache._empty(B, config, dtype=cache_dtype or k.dtype, device=k.device)
             cache.check("ElasticAttention", config, k)
             cache = cache.append(k, v, keep)
             k, v, attention_mask = cache.keys.to(q.dtype), cache.values.to(q.dtype), cache.keep
@@ -131,10 +133,10 @@ class ElasticLayer(nn.Module):
         self.mlp_norm = RMSNorm(tiers.hidden_size, eps)
         self.mlp = ElasticMLP(tiers, **matrix_kwargs)
 
-    def forward(self, x, linear, cos, sin, keep, cache, signature, decoding):
+    def forward(self, x, linear, cos, sin, keep, cache, signature, decoding, cache_dtype=None):
         n = x.shape[-1]
         a, cache = self.attn(rms_norm(x, self.attn_norm.weight[:n], self.eps), linear, cos, sin, keep, cache,
-                             signature, decoding)
+                             signature, decoding, cache_dtype)
         x = x + a
         return x + self.mlp(rms_norm(x, self.mlp_norm.weight[:n], self.eps), linear), cache
 
@@ -154,7 +156,8 @@ class ElasticCausalLM(nn.Module):
             uncached calls, the causal attention (the flash core).
 
     ``forward(input_ids [B, S], attention_mask=None, cache=None, tier=None) -> LMOutput``
-    (fp32 ``logits [B, S, V]``, ``hidden [B, S, n]``); ``tier=None`` is the widest.
+    (fp32 ``logits [B, S, V]``, ``hidden [B, S, n]``); ``tier=None`` is the widest;
+    ``cache=None`` decodes nothing, decoding starts from ``empty_cache(batch)``.
     ``extract(tier)`` is the tier as a dense state dict (same logits).
     """
 
@@ -215,12 +218,19 @@ class ElasticCausalLM(nn.Module):
         past = 0
         if cache is not None:
             if not isinstance(cache, DecoderCache):
-                raise TypeError(f"`cache` must be a DecoderCache or None, got {type(cache).__name__}")
-            if cache.signature is not None and cache.signature != self.signature(tier):
-                raise ConfigError(f"`cache` belongs to {cache.signature}, this call is {self.signature(tier)}")
+                raise TypeError("`cache` must be a DecoderCache (from empty_cache) or None, "
+                                f"got {type(cache).__name__}")
+            cache.check(self.signature(tier), input_ids)
             past = cache.length
         check_context("input_ids", past, input_ids.shape[1], self.max_positions)
         return tier, past
+
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> DecoderCache:
+        """An empty :class:`~laminae.recipes.assembly.decoder.DecoderCache` for ``batch``
+        sequences on ``device`` (default: the parameters'); the first call ties it to its
+        tier and starts each layer's KV cache in ``dtype`` (default None: the keys')."""
+        return start_decoder_cache(self, batch, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 cache: DecoderCache | None = None, tier: str | None = None) -> LMOutput:
@@ -233,12 +243,13 @@ class ElasticCausalLM(nn.Module):
         slots = cache.slots if cache is not None and cache.slots else (None,) * len(self.layers)
         new_slots = []
         for layer, slot in zip(self.layers, slots):
-            x, slot = layer(x, linear, cos, sin, keep, slot, sig, cache is not None)
+            x, slot = layer(x, linear, cos, sin, keep, slot, sig, cache is not None,
+                            cache.dtype if cache is not None else None)
             new_slots.append(slot)
         h = rms_norm(x, self.norm.weight[:n], self.eps)
         logits = self.lm_head(h, ratio=self.tiers.fan_in_ratio("lm_head", tier),
                               scale_index=self.tiers.logit_scale_index(tier))
-        new_cache = DecoderCache(past + S, tuple(new_slots), None, sig) if cache is not None else None
+        new_cache = cache.advanced(S, new_slots, None, sig, input_ids) if cache is not None else None
         return LMOutput(logits, h, logits.new_zeros(()), new_cache, None)
 
     def extract(self, tier: str | None = None) -> "OrderedDict[str, torch.Tensor]":

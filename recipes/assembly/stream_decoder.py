@@ -13,8 +13,9 @@ Each layer's attention is an :class:`AttentionSublayer` (``h → ×input_scale �
 mode: per token, carried from layer to layer) and the KV caches travel in a
 :class:`FlowContext` built per call, so no module keeps per-call state.
 
-Decoding: ``forward(ids, cache=DecoderCache())`` returns a new cache (one KV cache per
-layer, each never mutated in place), so two continuations of one cache are both right.
+Decoding: ``cache = model.empty_cache(batch)``, then ``forward(ids, cache=cache)``
+returns a new cache (one KV cache per layer, each never mutated in place), so two
+continuations of one cache are both right.
 Depth-mode StackMemory mixes nothing across positions, so it needs no decoding state.
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from laminae.primitives.blocks.gqa import GroupedQueryAttention
 from laminae.primitives.siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_start
 from laminae.primitives.stack_memory import StackMemory, StackMemoryState
 
-from .decoder import DecoderCache, DecoderOutput
+from .decoder import DecoderCache, DecoderOutput, start_decoder_cache
 
 __all__ = ["FlowContext", "AttentionSublayer", "ScaledSublayer", "PreNormLayer", "StreamDecoderModel"]
 
@@ -48,6 +49,7 @@ class FlowContext:
     caches_in: tuple
     caches_out: list = field(default_factory=list)
     stack_state: StackMemoryState | None = None
+    cache_dtype: torch.dtype | None = None         # the layers' caches start in it (None: their own)
 
 
 class AttentionSublayer(nn.Module):
@@ -78,7 +80,7 @@ class AttentionSublayer(nn.Module):
         # decoding starts from the block's empty cache (its core's own kind: LUCID keeps v')
         cache = ctx.caches_in[self.layer_idx] if ctx.decoding else None
         if ctx.decoding and cache is None:
-            cache = self.attention.empty_cache(h.shape[0], device=h.device)
+            cache = self.attention.empty_cache(h.shape[0], dtype=ctx.cache_dtype, device=h.device)
         out, cache, _ = self.attention(inp, ctx.attention_mask, cache, position_ids=ctx.positions)
         ctx.caches_out[self.layer_idx] = cache if ctx.decoding else None
         return out.to(h.dtype)
@@ -134,7 +136,8 @@ class StreamDecoderModel(nn.Module):
         max_positions: the context (cached + new tokens); longer inputs raise ShapeError
             before any layer runs (None: no limit).
 
-    ``forward(input_ids [B, S], attention_mask=None, cache=None) -> DecoderOutput``;
+    ``forward(input_ids [B, S], attention_mask=None, cache=None) -> DecoderOutput``
+    (``cache=None`` decodes nothing; decoding starts from ``empty_cache(batch)``);
     ``aux_loss`` is the StackMemory entropy term λ·mean H (0 without StackMemory).
     """
 
@@ -170,10 +173,18 @@ class StreamDecoderModel(nn.Module):
         check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=next(self.parameters()))
         if cache is not None:
             if not isinstance(cache, DecoderCache):
-                raise TypeError(f"`cache` must be a DecoderCache or None, got {type(cache).__name__}")
-            if cache.signature is not None and cache.signature != self.signature:
-                raise ConfigError(f"`cache` belongs to a decoder {cache.signature}, this one is {self.signature}")
+                raise TypeError("`cache` must be a DecoderCache (from empty_cache) or None, "
+                                f"got {type(cache).__name__}")
+            cache.check(self.signature, input_ids)
         check_context("input_ids", cache.length if cache is not None else 0, input_ids.shape[1], self.max_positions)
+
+    def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
+                    device: torch.device | str | None = None) -> DecoderCache:
+        """An empty :class:`~laminae.recipes.assembly.decoder.DecoderCache` for ``batch``
+        sequences on ``device`` (default: the parameters'); each layer's attention cache
+        starts on the first call from its own ``empty_cache``, in ``dtype`` (default
+        None: the attention's own default)."""
+        return start_decoder_cache(self, batch, dtype, device, self.signature)
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         keep = None if attention_mask is None else attention_mask.bool()
@@ -192,7 +203,8 @@ class StreamDecoderModel(nn.Module):
         positions = torch.arange(past, past + S, device=input_ids.device).unsqueeze(0)
         n = len(self.layers)
         ctx = FlowContext(positions, attention_mask, cache is not None,
-                          cache.slots if cache is not None and cache.slots else (None,) * n, [None] * n)
+                          cache.slots if cache is not None and cache.slots else (None,) * n, [None] * n,
+                          cache_dtype=cache.dtype if cache is not None else None)
         x = self.embed(input_ids, attention_mask)
         kwargs = {"ctx": ctx}
         if self.two_streams:
@@ -207,5 +219,6 @@ class StreamDecoderModel(nn.Module):
         aux = z.new_zeros((), dtype=torch.float32)
         if ctx.stack_state is not None:
             aux = self.stacks[0].aux_loss(ctx.stack_state)
-        new_cache = DecoderCache(past + S, tuple(ctx.caches_out), None, self.signature) if cache is not None else None
+        new_cache = (cache.advanced(S, ctx.caches_out, None, self.signature, input_ids) if cache is not None
+                     else None)
         return DecoderOutput(z, new_cache, aux, None)

@@ -65,11 +65,9 @@ def tier_gradient_errors(mod, model, expected, tier: str) -> dict[str, float]:
 def decode_in_steps(model, ids: torch.Tensor, prefill: int, attention_mask: torch.Tensor | None = None,
                     **kwargs) -> torch.Tensor:
     """Logits of a prefill of ``prefill`` tokens followed by one-token cached steps."""
-    from laminae.recipes.assembly.decoder import DecoderCache
-
     with torch.no_grad():
-        return prefill_then_decode(model, ids, cache=DecoderCache(), prefill=prefill, attention_mask=attention_mask,
-                                   field="logits", **kwargs)[0]
+        return prefill_then_decode(model, ids, cache=model.empty_cache(ids.shape[0]), prefill=prefill,
+                                   attention_mask=attention_mask, field="logits", **kwargs)[0]
 
 
 def relative_gradient_errors(mod, model, expected, prefix: str = "grad.") -> dict[str, float]:

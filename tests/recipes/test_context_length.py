@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from laminae.primitives import ShapeError
-from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.recipes import naylis, neollm, shell_elastic, shram, spikewhale
 
 CONTEXT = 6
@@ -45,6 +44,6 @@ def test_a_context_past_the_configured_length_is_a_shape_error(name):
         assert model(ids[:, :CONTEXT]).logits.shape[:2] == (2, CONTEXT)      # the whole context is fine
         with pytest.raises(ShapeError, match=f"exceed the context max_positions={CONTEXT}"):
             model(ids)
-        cache = model(ids[:, :CONTEXT], cache=DecoderCache()).cache
+        cache = model(ids[:, :CONTEXT], cache=model.empty_cache(ids.shape[0])).cache
         with pytest.raises(ShapeError, match=f"{CONTEXT} cached \\+ 1 new tokens exceed"):
             model(ids[:, CONTEXT:], cache=cache)

@@ -10,7 +10,6 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from laminae.primitives import ConfigError
-from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.primitives.leviathan import LeviathanGenerator
 from laminae.recipes import neollm as nl
 
@@ -82,7 +81,7 @@ def test_two_continuations_of_one_cache():
     model = perturbed(make(**ALL_SIAMESE)).eval()
     ids = torch.randint(64, (2, 6))
     with torch.no_grad():
-        cache = model(ids[:, :4], cache=DecoderCache()).cache
+        cache = model(ids[:, :4], cache=model.empty_cache(ids.shape[0])).cache
         a = model(torch.full((2, 1), 3), cache=cache).logits
         b = model(torch.full((2, 1), 9), cache=cache).logits
         full_a = model(torch.cat([ids[:, :4], torch.full((2, 1), 3)], 1)).logits[:, -1:]

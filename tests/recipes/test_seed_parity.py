@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from laminae.recipes.assembly.decoder import DecoderCache
 
 from .._fixtures import DATA, SEED_FIXTURES, load_fixture
 from ._harness import FIXTURES, GRAD_ATOL, LOGIT_ATOL, build_loaded, decode_in_steps, gradient_errors, load
@@ -63,7 +62,7 @@ def test_two_continuations_of_one_cache_are_both_right(fixture):
     ids = inputs["input_ids"]
     other = (ids[:, 4:5] + 1) % model.lm_head.weight.shape[0]
     with torch.no_grad():
-        root = model(ids[:, :4], cache=DecoderCache()).cache
+        root = model(ids[:, :4], cache=model.empty_cache(ids.shape[0])).cache
         a = model(ids[:, 4:5], cache=root).logits
         b = model(other, cache=root).logits
         a_again = model(ids[:, 4:5], cache=root).logits

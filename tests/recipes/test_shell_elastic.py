@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from laminae.primitives import ConfigError, DTypeError, ShapeError
-from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.recipes import shell_elastic as se
 
 from .._fixtures import SEED_FIXTURES, load_fixture
@@ -63,7 +62,7 @@ def test_two_continuations_of_one_cache_are_both_right():
     ids = inputs["input_ids"]
     other = (ids[:, 4:5] + 1) % model.vocab_size
     with torch.no_grad():
-        root = model(ids[:, :4], cache=DecoderCache(), tier="medium").cache
+        root = model(ids[:, :4], cache=model.empty_cache(ids.shape[0]), tier="medium").cache
         a = model(ids[:, 4:5], cache=root, tier="medium").logits
         b = model(other, cache=root, tier="medium").logits
         a_again = model(ids[:, 4:5], cache=root, tier="medium").logits
@@ -144,7 +143,7 @@ def test_seed_config_and_model_errors():
     ids = inputs["input_ids"]
     with pytest.raises(ConfigError, match="unknown tier"):
         model(ids, tier="huge")
-    cache = model(ids[:, :2], cache=DecoderCache(), tier="low").cache
+    cache = model(ids[:, :2], cache=model.empty_cache(ids.shape[0]), tier="low").cache
     with pytest.raises(ConfigError, match="belongs to"):
         model(ids[:, 2:3], cache=cache, tier="max")
     with pytest.raises(ShapeError, match="max_positions"):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from laminae.primitives import ConfigError
-from laminae.recipes.assembly.decoder import DecoderCache
 from laminae.recipes import shram
 
 from .._fixtures import load_fixture
@@ -144,9 +143,10 @@ def test_cache_of_another_model_is_rejected_and_reset_empties_it():
     _, model, inputs, _ = build_loaded("shram_tiny")
     other = shram.build(shram.CONFIG(**TINY), backend="reference")
     with torch.no_grad():
-        cache = model(inputs["input_ids"][:, :3], cache=DecoderCache()).cache
+        ids = inputs["input_ids"]
+        cache = model(ids[:, :3], cache=model.empty_cache(ids.shape[0])).cache
         with pytest.raises(ConfigError, match="cache"):
-            other(inputs["input_ids"][:, 3:4] % 64, cache=cache)
+            other(ids[:, 3:4] % 64, cache=cache)
     cache.reset()
     assert cache.length == 0 and cache.slots is None
 

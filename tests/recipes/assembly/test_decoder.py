@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from laminae.primitives import ConfigError, DeviceError, DTypeError, ShapeError
-from laminae.recipes.assembly.decoder import (Branch, CausalLM, DecoderCache, DecoderModel, ResidualBlock,
+from laminae.recipes.assembly.decoder import (Branch, CausalLM, DecoderModel, ResidualBlock,
                                         layer_plan)
 from laminae.primitives.blocks.gqa import GroupedQueryAttention
 from laminae.primitives.blocks.hyper_connections import HCOutputMix, HyperConnection, expand_streams
@@ -62,10 +62,21 @@ def test_looped_plan_decodes_like_the_full_forward_and_ties_weights():
     ids = torch.randint(50, (2, 7))
     with torch.no_grad():
         full = lm(ids).logits
-        steps, cache = prefill_then_decode(lm, ids, cache=DecoderCache(), prefill=2, field="logits")
+        steps, cache = prefill_then_decode(lm, ids, cache=lm.empty_cache(ids.shape[0]), prefill=2, field="logits")
     torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
     cache.reset()
     assert cache.length == 0 and cache.slots is None
+
+
+def test_empty_cache_dtype_reaches_every_layer_cache():
+    """The layers' caches start in ``empty_cache``'s dtype; None leaves each layer its own."""
+    lm = tiny_llama().double().eval()
+    ids = torch.randint(50, (2, 3))
+    with torch.no_grad():
+        slots = lm(ids, cache=lm.empty_cache(2)).cache.slots
+        assert {c.dtype for slot in slots for c in slot.values() if c is not None} == {torch.float64}
+        with pytest.raises(DTypeError, match="`cache` holds float32"):
+            lm(ids, cache=lm.empty_cache(2, dtype=torch.float32))
 
 
 def test_padded_rows_equal_unpadded_rows():
@@ -94,7 +105,7 @@ def test_named_errors():
         lm(torch.zeros(1, 3, dtype=torch.long, device="meta"))
     other = tiny_llama(3)
     with torch.no_grad():
-        cache = other(torch.zeros(1, 2, dtype=torch.long), cache=DecoderCache()).cache
+        cache = other(torch.zeros(1, 2, dtype=torch.long), cache=other.empty_cache(1)).cache
         with pytest.raises(ConfigError, match="cache"):
             lm(torch.zeros(1, 1, dtype=torch.long), cache=cache)
     with pytest.raises(ConfigError, match="plan"):
