@@ -1,5 +1,5 @@
-"""MoSRAH kernels: varlen causal flash attention over the expert-packed copies, with
-the copy gather and the YaRN rotation fused in.
+"""MoSRAH kernels: varlen causal flash attention over the expert-packed copies, after
+one pass that gathers the copies and applies the YaRN rotation.
 
 Layout. Every token has ``K`` copies, one per selected head. Sorting the copies of
 each batch row by head (stably, so token order is kept inside a head) gives the
@@ -21,18 +21,21 @@ Kernels (grid ``(cdiv(N, BLOCK), B·L)``; a program whose tile starts past its
 segment's length returns at once, so empty segments cost one branch and the grid
 needs no host-side count):
 
-- forward: per query tile, rotate q̃ = RoPE(q, pos) in registers (half-split: the
-  two halves are separate ``tl.dot`` operands, padded to ≥ 16 columns), loop over
-  key tiles up to the causal bound (slot order) rotating k̃ likewise, mask dead
-  keys and dead queries, fp32 online softmax (base 2) with the score scale A/√u;
-  write Z at the (token, head) pair and the natural LSE per copy.
-- backward dq: recompute P from the LSE; dS = P ⊙ (dP − δ) with δ = rowsum(dZ·Z);
-  dq̃ = scale·dS·k̃, rotated back by −angle and written at the pair.
-- backward dk/dv: per key tile, loop over the query tiles at or after it; dv = Pᵀ·dZ,
-  dk̃ = scale·dSᵀ·q̃ rotated back. No atomics: every output row has one writer, so
-  results are run-to-run deterministic.
+- pack: one pass gathers q, k, v of every copy from its (token, head) pair, rotates
+  q and k by ``pos·θ′`` once (fp32, stored in the input dtype) and writes contiguous
+  copy rows ``[B·N·K, u]``; the attention loops never see an angle.
+- forward: plain varlen causal flash over the copy rows: per query tile, loop over
+  key tiles up to the causal bound (slot order), mask dead keys and dead queries,
+  fp32 online softmax (base 2) with the score scale A/√u; write Z at the (token,
+  head) pair and the natural LSE per copy.
+- backward: a row kernel packs dZ and δ = rowsum(dZ·Z); dq over query tiles,
+  dk/dv over key tiles (dS = P ⊙ (dP − δ), P recomputed from the LSE); dq̃, dk̃ stay
+  fp32 copy rows until a row kernel rotates them back by −angle into their pairs.
+  No atomics: every output row has one writer, so results are run-to-run
+  deterministic.
+- cached: a chunk's rotated queries over a decoding cache's rows (inference).
 
-Nothing S×S is stored: the backward saves Z (dense, u-wide) and the LSE per copy.
+Nothing S×S is stored: the backward saves the packed q̃, k̃, v, Z (dense, u-wide) and the LSE per copy.
 """
 from __future__ import annotations
 

@@ -142,14 +142,14 @@ def _cached_truth(q, keys, values, limit, scale):
 def test_cached_attention_every_configuration_matches_float64(cache_dtype, u):
     """The cached kernel at each ``cached_tiles`` configuration over a cache of each
     dtype: 35 queries (two 16-row tiles and a ragged one), up to 70 rows (two 32-row
-    key tiles and a ragged one) read from a strided cache view, per-query limits
+    key tiles and a ragged one) read from views of a larger storage, per-query limits
     including 0 (dead query) and the full length."""
     block_m, block_n, _ = mosrah_mod.cached_tiles(u)
     assert 35 > 2 * block_m and 70 > 2 * block_n
     gen = torch.Generator().manual_seed(u)
     q = torch.randn(2, 3, 35, u, generator=gen)
-    storage = torch.randn(2, 96, 3, 2 * u, generator=gen).to(cache_dtype)
-    keys, values = storage[:, :70, :, :u], storage[:, :70, :, u:]          # strided, as a cache's views
+    storage = torch.randn(2, 2, 96, 3, u, generator=gen).to(cache_dtype)
+    keys, values = storage[0, :, :70], storage[1, :, :70]          # views of a larger capacity, as a cache's
     limit = torch.randint(0, 71, (2, 3, 35), generator=gen)
     limit[0, 0, :4] = 0
     limit[1, 2] = 70
