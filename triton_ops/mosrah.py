@@ -382,6 +382,9 @@ class Tiles:
 # hence smaller tiles.
 _TILES_16BIT = {16: Tiles(64, 64, 64, 64, 32, 64), 32: Tiles(64, 64, 64, 64, 32, 64),
                 64: Tiles(128, 64, 128, 64, 32, 128, 8), 128: Tiles(128, 64, 128, 64, 32, 128, 8)}
+# A head dim padded to 128 that is not a multiple of 16 loads rows with per-element
+# masks (no 16-byte vectors): its dk/dv tile of 128 keys spills, 64 keys do not.
+_TILES_16BIT_ODD = {128: Tiles(128, 64, 128, 64, 32, 64, 8)}
 _TILES_FP32 = {16: Tiles(64, 32, 32, 32, 32, 32), 32: Tiles(64, 32, 32, 32, 32, 32),
                64: Tiles(32, 32, 32, 32, 32, 32, 8), 128: Tiles(16, 32, 16, 16, 16, 16, 8)}
 # the row kernels (pack, δ, the rotation's backward)
@@ -398,7 +401,12 @@ def _blocks(head_dim: int) -> tuple[int, int]:
 
 def tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
     """Launch tiles (tests monkeypatch this to force several tiles per segment)."""
-    return (_TILES_FP32 if dtype == torch.float32 else _TILES_16BIT)[_blocks(head_dim)[1]]
+    block_u = _blocks(head_dim)[1]
+    if dtype == torch.float32:
+        return _TILES_FP32[block_u]
+    if head_dim % 16 and block_u in _TILES_16BIT_ODD:
+        return _TILES_16BIT_ODD[block_u]
+    return _TILES_16BIT[block_u]
 
 
 def cached_tiles(head_dim: int) -> tuple[int, int, int]:
@@ -604,6 +612,31 @@ def mosrah(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: torch.Ten
 # ----------------------------------------------------------------------------
 
 
+def _attention_cases(p: str, t: Tiles, const: dict, tags: dict, hgmma: dict,
+                     even: tuple[str, ...]) -> Iterator[StaticCase]:
+    """The forward, dq and dk/dv kernels at tiles ``t``; ``even``: the integer
+    arguments compiled as multiples of 16 (the packed rows' width U)."""
+    layout = dict(cu_ptr="*i32", tok_ptr="*i32")
+    packed = ("q_ptr", "k_ptr", "v_ptr") + even
+    yield StaticCase("mosrah_fwd", _mosrah_fwd_kernel,
+                     dict(q_ptr=p, k_ptr=p, v_ptr=p) | layout | dict(live_ptr="*i8", z_ptr=p,
+                     lse_ptr="*fp32", L="i32", U="i32", qk_scale="fp32"),
+                     const | dict(BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n), t.warps, t.stages, tags=tags,
+                     divisible=packed + ("z_ptr",), **hgmma)
+    bwd = dict(q_ptr=p, k_ptr=p, v_ptr=p, cu_ptr="*i32")
+    grads = dict(dz_ptr=p, lse_ptr="*fp32", delta_ptr="*fp32")
+    yield StaticCase("mosrah_bwd_dq", _mosrah_bwd_dq_kernel,
+                     bwd | dict(live_ptr="*i8") | grads | dict(dq_ptr="*fp32", L="i32", U="i32",
+                     qk_scale="fp32", sm_scale="fp32"),
+                     const | dict(BLOCK_M=t.dq_m, BLOCK_N=t.dq_n), t.warps, t.stages, tags=tags,
+                     divisible=packed + ("dz_ptr", "dq_ptr"), **hgmma)
+    yield StaticCase("mosrah_bwd_dkdv", _mosrah_bwd_dkdv_kernel,
+                     bwd | dict(tok_ptr="*i32", live_ptr="*i8") | grads | dict(dk_ptr="*fp32", dv_ptr=p,
+                     L="i32", U="i32", qk_scale="fp32", sm_scale="fp32"),
+                     const | dict(BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n), t.warps, t.stages, tags=tags,
+                     divisible=packed + ("dz_ptr", "dk_ptr", "dv_ptr"), **hgmma)
+
+
 def static_cases() -> Iterator[StaticCase]:
     """Every kernel at every (dtype, head dim) tile configuration it launches with.
     Head dims that are multiples of 16 (16–128) compile as launched with 16-byte
@@ -611,10 +644,8 @@ def static_cases() -> Iterator[StaticCase]:
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
         precision = dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16)
-        table = _TILES_FP32 if dt == "fp32" else _TILES_16BIT
         for head_dim in (16, 32, 64, 128):
             block_h, block_u = _blocks(head_dim)
-            t = table[block_u]
             tags = {"dtype": dt, "head_dim": head_dim}
             hgmma = dict(expect="HGMMA") if dt != "fp32" and head_dim >= 64 else {}
             layout = dict(cu_ptr="*i32", tok_ptr="*i32")
@@ -633,25 +664,11 @@ def static_cases() -> Iterator[StaticCase]:
                              dq_ptr=p, dk_ptr=p, L="i32", HALF="i32", U="i32"),
                              rows, ROW_WARPS, tags=tags, divisible=("dqr_ptr", "dkr_ptr", "dq_ptr", "dk_ptr", "U"))
             const = dict(BLOCK_U=block_u, PRECISION=precision)
-            packed = ("q_ptr", "k_ptr", "v_ptr", "U")
-            yield StaticCase("mosrah_fwd", _mosrah_fwd_kernel,
-                             dict(q_ptr=p, k_ptr=p, v_ptr=p) | layout | dict(live_ptr="*i8", z_ptr=p,
-                             lse_ptr="*fp32", L="i32", U="i32", qk_scale="fp32"),
-                             const | dict(BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n), t.warps, t.stages, tags=tags,
-                             divisible=packed + ("z_ptr",), **hgmma)
-            bwd = dict(q_ptr=p, k_ptr=p, v_ptr=p, cu_ptr="*i32")
-            grads = dict(dz_ptr=p, lse_ptr="*fp32", delta_ptr="*fp32")
-            yield StaticCase("mosrah_bwd_dq", _mosrah_bwd_dq_kernel,
-                             bwd | dict(live_ptr="*i8") | grads | dict(dq_ptr="*fp32", L="i32", U="i32",
-                             qk_scale="fp32", sm_scale="fp32"),
-                             const | dict(BLOCK_M=t.dq_m, BLOCK_N=t.dq_n), t.warps, t.stages, tags=tags,
-                             divisible=packed + ("dz_ptr", "dq_ptr"), **hgmma)
-            yield StaticCase("mosrah_bwd_dkdv", _mosrah_bwd_dkdv_kernel,
-                             bwd | dict(tok_ptr="*i32", live_ptr="*i8") | grads | dict(dk_ptr="*fp32", dv_ptr=p,
-                             L="i32", U="i32", qk_scale="fp32", sm_scale="fp32"),
-                             const | dict(BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n), t.warps, t.stages, tags=tags,
-                             divisible=packed + ("dz_ptr", "dk_ptr", "dv_ptr"), **hgmma)
-            # cached decoding: fp32 queries (the cached path computes in fp32) over a cache of this dtype
+            dtype = torch.float32 if dt == "fp32" else torch.bfloat16
+            yield from _attention_cases(p, tiles(head_dim, dtype), const, tags, hgmma, ("U",))
+            # a head dim that is not a multiple of 16 (u − 2) launches unspecialised, with its own tiles
+            yield from _attention_cases(p, tiles(head_dim - 2, dtype), const, tags | {"head_dim": head_dim - 2},
+                                        {}, ())
             c_m, c_n, c_warps = cached_tiles(head_dim)
             yield StaticCase("mosrah_cached", _mosrah_cached_kernel,
                              dict(q_ptr="*fp32", k_ptr=p, v_ptr=p, limit_ptr="*i32", z_ptr="*fp32", L="i32",

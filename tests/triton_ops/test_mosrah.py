@@ -63,7 +63,7 @@ def _inputs(B, N, d, L, K, u, scale=1.0, seed=0, padded=False, yarn=1.0, rope_mo
 
 
 @given(B=st.integers(1, 2), N=st.sampled_from([1, 5, 18]), L=st.integers(1, 6), data=st.data(),
-       u=st.sampled_from([16, 32]), scale=scales, seed=seeds, padded=st.booleans(),
+       u=st.sampled_from([16, 18, 32]), scale=scales, seed=seeds, padded=st.booleans(),
        rope_mode=st.sampled_from(["main_sequence", "semantic_sequence"]), yarn=st.sampled_from([1.0, 4.0]),
        router_scale=router_scales)
 def test_kernel_matches_reference_fp32(B, N, L, data, u, scale, seed, padded, rope_mode, yarn, router_scale):
@@ -107,8 +107,9 @@ def _attention_truth(q, k, v, cu_seqlens, token, position_ids, attention_mask, i
     return z.view(B, N, L, u)
 
 
-@pytest.mark.parametrize("u", [16, 32, 64, 128])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype, u", [(dt, u) for dt in (torch.float32, torch.bfloat16, torch.float16)
+                                      for u in (16, 32, 64, 128)]
+                         + [(torch.bfloat16, 126), (torch.float16, 126)])   # 16-bit odd tiles at 128
 def test_every_launch_configuration_matches_float64(dtype, u):
     """Every tile configuration the CUDA path picks (``tiles``, as it calls it), in its
     own dtype against the float64 truth: each of two segments (token n routed to head
