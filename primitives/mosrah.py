@@ -486,8 +486,10 @@ class MoSRAH(nn.Module):
     max_vio [])``. ``cache=None`` is a training (uncached) call and returns
     ``cache=None``: the per-head rotated keys and values a cache holds are storage the
     uncached kernels never build, so decoding starts from :meth:`empty_cache` instead
-    (docs/protocol.md). Cached calls (prefill and decode steps) run the PyTorch path
-    on either backend. The router, the projections and the attention run with
+    (docs/protocol.md). Cached calls (prefill and decode steps) route, project and
+    append in PyTorch; on the Triton backend their attention over the cache is a
+    Triton kernel when no gradient is recorded (``torch.no_grad()``/inference mode),
+    the PyTorch path otherwise. The router, the projections and the attention run with
     autocast off, in ``promote(x.dtype, float32)`` on the reference path (fp32
     routing logits) and in ``x``'s dtype around the Triton kernels.
 
@@ -588,21 +590,25 @@ class MoSRAH(nn.Module):
             raise ConfigError(f"{seen + N} tokens exceed inference_sequence_length="
                               f"{self.inference_sequence_length} (the YaRN limit)")
 
-    def _check_positions(self, position_ids: torch.Tensor, given: bool, cache: MoSRAHCache | None) -> None:
+    def _check_positions(self, position_ids: torch.Tensor, given: bool, attention_mask: torch.Tensor | None,
+                         cache: MoSRAHCache | None) -> None:
         """Range of the positions. The default ones stay below the positions seen plus N,
-        known on the host; they are read only when that bound passes the YaRN limit (a
-        padded batch can still fit). Reading caller-given positions syncs with the
-        device, so it runs on CPU tensors, elsewhere only with ``LAMINAE_DEBUG=1``;
-        never while compiling."""
+        known on the host; without a cache and a mask they are exactly 0 … N−1. Any
+        other check reads the positions back (a device sync), so it runs only with
+        ``LAMINAE_DEBUG=1``, never while compiling."""
         if torch.compiler.is_compiling():
             return
         if not given:
             seen = 0 if cache is None else cache.length
             if self.rope_mode == "semantic_sequence" or seen + position_ids.shape[1] <= self.inference_sequence_length:
                 return
-        elif not (debug_checks_enabled() or position_ids.device.type == "cpu"):
+            if cache is None and attention_mask is None:
+                raise ConfigError(
+                    f"`position_ids` must be < inference_sequence_length={self.inference_sequence_length} "
+                    f"(the YaRN limit), got {position_ids.shape[1] - 1}")
+        if not debug_checks_enabled():
             return
-        elif cache is None and bool((position_ids[:, 0] != 0).any()):
+        if given and cache is None and bool((position_ids[:, 0] != 0).any()):
             raise ConfigError("`position_ids[:, 0]` must be 0 without a cache (a continuation needs "
                               f"the cache of the earlier tokens), got {position_ids[:, 0].tolist()}")
         if bool((position_ids < 0).any()):
@@ -638,14 +644,15 @@ class MoSRAH(nn.Module):
         given = position_ids is not None
         if not given:
             position_ids = self._default_positions(live, cache)
-        self._check_positions(position_ids, given, cache)
+        self._check_positions(position_ids, given, attention_mask, cache)
+        params = self._params()
+        triton = resolve_backend(self.backend, x, *params) == "triton"
         with without_autocast(x.device.type):
             if cache is not None:
-                return self._cached_forward(x, position_ids, live, cache)
-            params = self._params()
+                return self._cached_forward(x, position_ids, live, cache, triton)
             kwargs = dict(top_k=self.top_k, inv_freq=self.bea.inv_freq, attention_scale=self.bea.attention_scale,
                           rope_mode=self.rope_mode)
-            if resolve_backend(self.backend, x, *params) == "triton":
+            if triton:
                 from laminae.triton_ops.mosrah import mosrah
 
                 out, lb, vio = mosrah(x, *params, position_ids, live, **kwargs)
@@ -654,12 +661,14 @@ class MoSRAH(nn.Module):
         return MoSRAHOutput(out, None, lb, vio)
 
     def _cached_forward(self, x: torch.Tensor, position_ids: torch.Tensor, live: torch.Tensor,
-                        cache: MoSRAHCache) -> MoSRAHOutput:
+                        cache: MoSRAHCache, triton: bool = False) -> MoSRAHOutput:
         """Route the chunk, append its live copies' keys and values, attend over the cache.
 
         Rows: the live copies of a head are appended in slot order at ``count_before``,
         ``count_before + 1``, …; a live query sees rows up to ``count_before`` + its live
-        rank in the chunk (``"raw_slot"``: + its slot index, bounded by the new count)."""
+        rank in the chunk (``"raw_slot"``: + its slot index, bounded by the new count).
+        ``triton``: the attention over the cache runs the Triton kernel when no gradient
+        is recorded (it has no backward); otherwise PyTorch."""
         B, N, _ = x.shape
         x = sanitize_padding(x, live)
         routing = self.router(x, live)
@@ -681,10 +690,18 @@ class MoSRAH(nn.Module):
             horizon = rows
         else:
             horizon = before[..., None] + torch.arange(N, device=x.device)
-        j = torch.arange(new_cache.length, device=x.device)
-        allowed = ((j <= horizon[..., None]) & (j < after[..., None, None]) & live_packed[..., None])
-        keys, values = (t.transpose(1, 2).to(compute) for t in (new_cache.keys, new_cache.values))
-        z = _masked_softmax_attention(q, keys, values, allowed, bea.attention_scale)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, *self._params()))
+        if triton and not grad and compute == torch.float32:
+            from laminae.triton_ops.mosrah import mosrah_cached_attention
+
+            # query t of head l sees rows j < limit: j ≤ its horizon and j < the new count
+            limit = torch.where(live_packed, torch.minimum(horizon + 1, after[..., None]), 0)
+            z = mosrah_cached_attention(q, new_cache.keys, new_cache.values, limit, bea.attention_scale)
+        else:
+            j = torch.arange(new_cache.length, device=x.device)
+            allowed = ((j <= horizon[..., None]) & (j < after[..., None, None]) & live_packed[..., None])
+            keys, values = (t.transpose(1, 2).to(compute) for t in (new_cache.keys, new_cache.values))
+            z = _masked_softmax_attention(q, keys, values, allowed, bea.attention_scale)
         y = torch.einsum("bltu,lud->bltd", z, bea.o_proj.to(compute))
         per_copy = unpack_experts(y, packing, self.top_k)
         out = torch.einsum("bnk,bnkd->bnd", routing.weights.to(compute), per_copy)

@@ -1,5 +1,5 @@
-"""MoSRAH kernels: varlen causal flash attention over the expert-packed copies, with
-the copy gather and the YaRN rotation fused in.
+"""MoSRAH kernels: varlen causal flash attention over the expert-packed copies, after
+one pass that gathers the copies and applies the YaRN rotation.
 
 Layout. Every token has ``K`` copies, one per selected head. Sorting the copies of
 each batch row by head (stably, so token order is kept inside a head) gives the
@@ -21,18 +21,21 @@ Kernels (grid ``(cdiv(N, BLOCK), B·L)``; a program whose tile starts past its
 segment's length returns at once, so empty segments cost one branch and the grid
 needs no host-side count):
 
-- forward: per query tile, rotate q̃ = RoPE(q, pos) in registers (half-split: the
-  two halves are separate ``tl.dot`` operands, padded to ≥ 16 columns), loop over
-  key tiles up to the causal bound (slot order) rotating k̃ likewise, mask dead
-  keys and dead queries, fp32 online softmax (base 2) with the score scale A/√u;
-  write Z at the (token, head) pair and the natural LSE per copy.
-- backward dq: recompute P from the LSE; dS = P ⊙ (dP − δ) with δ = rowsum(dZ·Z);
-  dq̃ = scale·dS·k̃, rotated back by −angle and written at the pair.
-- backward dk/dv: per key tile, loop over the query tiles at or after it; dv = Pᵀ·dZ,
-  dk̃ = scale·dSᵀ·q̃ rotated back. No atomics: every output row has one writer, so
-  results are run-to-run deterministic.
+- pack: one pass gathers q, k, v of every copy from its (token, head) pair, rotates
+  q and k by ``pos·θ′`` once (fp32, stored in the input dtype) and writes contiguous
+  copy rows ``[B·N·K, u]``; the attention loops never see an angle.
+- forward: plain varlen causal flash over the copy rows: per query tile, loop over
+  key tiles up to the causal bound (slot order), mask dead keys and dead queries,
+  fp32 online softmax (base 2) with the score scale A/√u; write Z at the (token,
+  head) pair and the natural LSE per copy.
+- backward: a row kernel packs dZ and δ = rowsum(dZ·Z); dq over query tiles,
+  dk/dv over key tiles (dS = P ⊙ (dP − δ), P recomputed from the LSE); dq̃, dk̃ stay
+  fp32 copy rows until a row kernel rotates them back by −angle into their pairs.
+  No atomics: every output row has one writer, so results are run-to-run
+  deterministic.
+- cached: a chunk's rotated queries over a decoding cache's rows (inference).
 
-Nothing S×S is stored: the backward saves Z (dense, u-wide) and the LSE per copy.
+Nothing S×S is stored: the backward saves the packed q̃, k̃, v, Z (dense, u-wide) and the LSE per copy.
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ from laminae.primitives.mosrah import mosrah_route, sanitize_padding
 
 from ._common import StaticCase, dot_precision, empty
 
-__all__ = ["mosrah", "mosrah_attention", "packed_layout", "static_cases", "tour_case"]
+__all__ = ["mosrah", "mosrah_attention", "mosrah_cached_attention", "packed_layout", "static_cases", "tour_case"]
 
 LOG2E = 1.4426950408889634
 MAX_HEAD_DIM = 128
@@ -83,39 +86,6 @@ def _sincos(x):
 
 
 @triton.jit
-def _load_rotated(ptr, rows, row_ok, tok, head, L, HALF, pos, freq_ptr, BLOCK_H: tl.constexpr):
-    """The two halves ``[rows, BLOCK_H]`` of q (or k) of the (token, head) pairs,
-    rotated by ``pos·θ′`` (fp32, in registers)."""
-    offs_h = tl.arange(0, BLOCK_H)
-    h_ok = offs_h < HALF
-    base = (tok.to(tl.int64) * L + head) * (2 * HALF)
-    mask = row_ok[:, None] & h_ok[None, :]
-    a = tl.load(ptr + base[:, None] + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(ptr + base[:, None] + HALF + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
-    freq = tl.load(freq_ptr + offs_h, mask=h_ok, other=0.0)
-    sin, cos = _sincos(pos.to(tl.float32)[:, None] * freq[None, :])
-    return a * cos - b * sin, b * cos + a * sin
-
-
-@triton.jit
-def _unrotate(da, db, pos, freq_ptr, HALF, BLOCK_H: tl.constexpr):
-    """Gradient of the rotation: rotate ``(da, db)`` by −angle."""
-    offs_h = tl.arange(0, BLOCK_H)
-    freq = tl.load(freq_ptr + offs_h, mask=offs_h < HALF, other=0.0)
-    sin, cos = _sincos(pos.to(tl.float32)[:, None] * freq[None, :])
-    return da * cos + db * sin, db * cos - da * sin
-
-
-@triton.jit
-def _store_pair(ptr, rows_ok, tok, head, L, HALF, a, b, BLOCK_H: tl.constexpr):
-    offs_h = tl.arange(0, BLOCK_H)
-    base = (tok.to(tl.int64) * L + head) * (2 * HALF)
-    mask = rows_ok[:, None] & (offs_h < HALF)[None, :]
-    tl.store(ptr + base[:, None] + offs_h[None, :], a.to(ptr.dtype.element_ty), mask=mask)
-    tl.store(ptr + base[:, None] + HALF + offs_h[None, :], b.to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _segment(cu_ptr, pid_s, L):
     start = tl.load(cu_ptr + pid_s)
     length = tl.load(cu_ptr + pid_s + 1) - start
@@ -123,31 +93,109 @@ def _segment(cu_ptr, pid_s, L):
 
 
 @triton.jit
-def _copies(tok_ptr, pos_ptr, live_ptr, start, local, length):
-    ok = local < length
-    rows = start + local
-    tok = tl.load(tok_ptr + rows, mask=ok, other=0)
-    pos = tl.load(pos_ptr + rows, mask=ok, other=0)
-    live = tl.load(live_ptr + rows, mask=ok, other=0) != 0
-    return rows, ok, tok, pos, live
+def _rotate(src, dst, HALF, mask, sin, cos):
+    """Store the halves ``(a, b)`` at ``src`` rotated by the angle whose sine and cosine
+    are given (fp32) at ``dst``; −sin is the rotation's transpose, its backward."""
+    a = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, (a * cos - b * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (b * cos + a * sin).to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _mosrah_fwd_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, tok_ptr, pos_ptr, live_ptr, freq_ptr, z_ptr, lse_ptr,
-                       L, HALF, U, qk_scale,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_U: tl.constexpr, PRECISION: tl.constexpr):
+def _pack_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, tok_ptr, pos_ptr, live_ptr, freq_ptr, qr_ptr, kr_ptr, vr_ptr,
+                 L, HALF, U, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Copy rows of a segment: q̃, k̃ = RoPE(q, k; pos) and v (0 at dead copies),
+    gathered from their (token, head) pairs into contiguous copy rows. The angles
+    are computed once per copy here, never in the attention loops."""
+    start, length, head = _segment(cu_ptr, tl.program_id(1), L)
+    if tl.program_id(0) * BLOCK_R >= length:
+        return
+    local = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = local < length
+    rows = start.to(tl.int64) + local
+    tok = tl.load(tok_ptr + rows, mask=ok, other=0)
+    pos = tl.load(pos_ptr + rows, mask=ok, other=0)
+    live = tl.load(live_ptr + rows, mask=ok, other=0) != 0
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = ok[:, None] & (offs_h < HALF)[None, :]
+    src = ((tok.to(tl.int64) * L + head) * (2 * HALF))[:, None] + offs_h[None, :]
+    dst = (rows * U)[:, None] + offs_h[None, :]
+    freq = tl.load(freq_ptr + offs_h, mask=offs_h < HALF, other=0.0)
+    sin, cos = _sincos(pos.to(tl.float32)[:, None] * freq[None, :])
+    _rotate(q_ptr + src, qr_ptr + dst, HALF, mask, sin, cos)
+    _rotate(k_ptr + src, kr_ptr + dst, HALF, mask, sin, cos)
+    # dead keys may hold anything finite; p is 0 there, but keep them out of p·v exactly
+    live_mask = mask & live[:, None]
+    tl.store(vr_ptr + dst, tl.load(v_ptr + src, mask=live_mask, other=0.0), mask=mask)
+    tl.store(vr_ptr + dst + HALF, tl.load(v_ptr + src + HALF, mask=live_mask, other=0.0), mask=mask)
+
+
+@triton.jit
+def _unpack_grad_kernel(dqr_ptr, dkr_ptr, cu_ptr, tok_ptr, pos_ptr, freq_ptr, dq_ptr, dk_ptr,
+                        L, HALF, U, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The rotation's backward: dq̃, dk̃ of each copy row rotated by −angle and
+    written at its (token, head) pair (each pair has at most one copy)."""
+    start, length, head = _segment(cu_ptr, tl.program_id(1), L)
+    if tl.program_id(0) * BLOCK_R >= length:
+        return
+    local = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = local < length
+    rows = start.to(tl.int64) + local
+    tok = tl.load(tok_ptr + rows, mask=ok, other=0)
+    pos = tl.load(pos_ptr + rows, mask=ok, other=0)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask = ok[:, None] & (offs_h < HALF)[None, :]
+    src = (rows * U)[:, None] + offs_h[None, :]
+    dst = ((tok.to(tl.int64) * L + head) * (2 * HALF))[:, None] + offs_h[None, :]
+    freq = tl.load(freq_ptr + offs_h, mask=offs_h < HALF, other=0.0)
+    sin, cos = _sincos(pos.to(tl.float32)[:, None] * freq[None, :])
+    _rotate(dqr_ptr + src, dq_ptr + dst, HALF, mask, -sin, cos)
+    _rotate(dkr_ptr + src, dk_ptr + dst, HALF, mask, -sin, cos)
+
+
+@triton.jit
+def _bwd_prep_kernel(dz_ptr, z_ptr, cu_ptr, tok_ptr, dzr_ptr, delta_ptr, L, U,
+                     BLOCK_R: tl.constexpr, BLOCK_U: tl.constexpr):
+    """dZ of each copy row, packed as q̃ is, and δ = rowsum(dZ·Z) in fp32."""
+    start, length, head = _segment(cu_ptr, tl.program_id(1), L)
+    if tl.program_id(0) * BLOCK_R >= length:
+        return
+    local = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = local < length
+    rows = start.to(tl.int64) + local
+    tok = tl.load(tok_ptr + rows, mask=ok, other=0)
+    offs_u = tl.arange(0, BLOCK_U)
+    mask = ok[:, None] & (offs_u < U)[None, :]
+    src = ((tok.to(tl.int64) * L + head) * U)[:, None] + offs_u[None, :]
+    dz = tl.load(dz_ptr + src, mask=mask, other=0.0)
+    z = tl.load(z_ptr + src, mask=mask, other=0.0)
+    tl.store(dzr_ptr + (rows * U)[:, None] + offs_u[None, :], dz, mask=mask)
+    tl.store(delta_ptr + rows, tl.sum(dz.to(tl.float32) * z.to(tl.float32), 1), mask=ok)
+
+
+@triton.jit
+def _tile(ptr, base, local, ok, U, BLOCK_U: tl.constexpr):
+    """Rows ``local`` of a packed ``[copies, U]`` tensor from the segment's int64 base."""
+    offs_u = tl.arange(0, BLOCK_U)
+    return tl.load(ptr + base + local[:, None] * U + offs_u[None, :], mask=ok[:, None] & (offs_u < U)[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def _mosrah_fwd_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, tok_ptr, live_ptr, z_ptr, lse_ptr,
+                       L, U, qk_scale,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+                       PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     start, length, head = _segment(cu_ptr, tl.program_id(1), L)
     if pid_m * BLOCK_M >= length:
         return
+    base = start.to(tl.int64) * U
     local_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows, row_ok, tok, pos, q_live = _copies(tok_ptr, pos_ptr, live_ptr, start, local_m, length)
-    qa, qb = _load_rotated(q_ptr, rows, row_ok, tok, head, L, HALF, pos, freq_ptr, BLOCK_H)
-    qa = qa.to(q_ptr.dtype.element_ty)
-    qb = qb.to(q_ptr.dtype.element_ty)
-    offs_u = tl.arange(0, BLOCK_U)
-    u_ok = offs_u < U
+    row_ok = local_m < length
+    q_live = (tl.load(live_ptr + start + local_m, mask=row_ok, other=0) != 0) & row_ok
+    q = _tile(q_ptr, base, local_m, row_ok, U, BLOCK_U)
 
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -155,22 +203,18 @@ def _mosrah_fwd_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, tok_ptr, pos_ptr, live_ptr, 
     hi = tl.minimum(length, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
         local_n = start_n + tl.arange(0, BLOCK_N)
-        cols, col_ok, ktok, kpos, k_live = _copies(tok_ptr, pos_ptr, live_ptr, start, local_n, length)
-        ka, kb = _load_rotated(k_ptr, cols, col_ok, ktok, head, L, HALF, kpos, freq_ptr, BLOCK_H)
-        s = tl.dot(qa, tl.trans(ka.to(k_ptr.dtype.element_ty)), input_precision=PRECISION)
-        s += tl.dot(qb, tl.trans(kb.to(k_ptr.dtype.element_ty)), input_precision=PRECISION)
-        s = s * qk_scale
-        vis = (local_n[None, :] <= local_m[:, None]) & (k_live & col_ok)[None, :] & (q_live & row_ok)[:, None]
+        col_ok = local_n < length
+        k_live = (tl.load(live_ptr + start + local_n, mask=col_ok, other=0) != 0) & col_ok
+        k = _tile(k_ptr, base, local_n, col_ok, U, BLOCK_U)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        vis = (local_n[None, :] <= local_m[:, None]) & k_live[None, :] & q_live[:, None]
         s = tl.where(vis, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_shift[:, None])
         corr = tl.exp2(m_i - m_shift)
         l_i = l_i * corr + tl.sum(p, 1)
-        vbase = (ktok.to(tl.int64) * L + head) * U
-        v = tl.load(v_ptr + vbase[:, None] + offs_u[None, :], mask=col_ok[:, None] & u_ok[None, :], other=0.0)
-        # dead keys may hold anything finite; p is 0 there, but keep them out of p·v exactly
-        v = tl.where(k_live[:, None], v, 0.0)
+        v = _tile(v_ptr, base, local_n, col_ok, U, BLOCK_U)
         acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
@@ -178,109 +222,139 @@ def _mosrah_fwd_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, tok_ptr, pos_ptr, live_ptr, 
     l_safe = tl.where(empty_row, 1.0, l_i)
     z = acc / l_safe[:, None]
     lse = tl.where(empty_row, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    tok = tl.load(tok_ptr + start + local_m, mask=row_ok, other=0)
+    offs_u = tl.arange(0, BLOCK_U)
     zbase = (tok.to(tl.int64) * L + head) * U
     tl.store(z_ptr + zbase[:, None] + offs_u[None, :], z.to(z_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & u_ok[None, :])
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
+             mask=row_ok[:, None] & (offs_u < U)[None, :])
+    tl.store(lse_ptr + start + local_m, lse, mask=row_ok)
 
 
 @triton.jit
-def _mosrah_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, tok_ptr, pos_ptr, live_ptr, freq_ptr,
-                          dz_ptr, lse_ptr, delta_ptr, dq_ptr,
-                          L, HALF, U, qk_scale, sm_scale,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                          BLOCK_U: tl.constexpr, PRECISION: tl.constexpr):
+def _mosrah_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, live_ptr, dz_ptr, lse_ptr, delta_ptr, dq_ptr,
+                          L, U, qk_scale, sm_scale,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+                          PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     start, length, head = _segment(cu_ptr, tl.program_id(1), L)
     if pid_m * BLOCK_M >= length:
         return
+    base = start.to(tl.int64) * U
     local_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows, row_ok, tok, pos, q_live = _copies(tok_ptr, pos_ptr, live_ptr, start, local_m, length)
-    qa, qb = _load_rotated(q_ptr, rows, row_ok, tok, head, L, HALF, pos, freq_ptr, BLOCK_H)
-    qa = qa.to(q_ptr.dtype.element_ty)
-    qb = qb.to(q_ptr.dtype.element_ty)
-    offs_u = tl.arange(0, BLOCK_U)
-    u_ok = offs_u < U
-    pair = tok.to(tl.int64) * L + head
-    do = tl.load(dz_ptr + pair[:, None] * U + offs_u[None, :], mask=row_ok[:, None] & u_ok[None, :], other=0.0)
-    lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+    row_ok = local_m < length
+    q_live = (tl.load(live_ptr + start + local_m, mask=row_ok, other=0) != 0) & row_ok
+    q = _tile(q_ptr, base, local_m, row_ok, U, BLOCK_U)
+    do = _tile(dz_ptr, base, local_m, row_ok, U, BLOCK_U)
+    lse = tl.load(lse_ptr + start + local_m, mask=row_ok, other=0.0)
     lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-    delta = tl.load(delta_ptr + pair, mask=row_ok, other=0.0)
+    delta = tl.load(delta_ptr + start + local_m, mask=row_ok, other=0.0)
 
-    dqa = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
-    dqb = tl.zeros((BLOCK_M, BLOCK_H), dtype=tl.float32)
+    dq = tl.zeros((BLOCK_M, BLOCK_U), dtype=tl.float32)
     hi = tl.minimum(length, (pid_m + 1) * BLOCK_M)
     for start_n in range(0, hi, BLOCK_N):
         local_n = start_n + tl.arange(0, BLOCK_N)
-        cols, col_ok, ktok, kpos, k_live = _copies(tok_ptr, pos_ptr, live_ptr, start, local_n, length)
-        ka, kb = _load_rotated(k_ptr, cols, col_ok, ktok, head, L, HALF, kpos, freq_ptr, BLOCK_H)
-        ka = ka.to(k_ptr.dtype.element_ty)
-        kb = kb.to(k_ptr.dtype.element_ty)
-        s = tl.dot(qa, tl.trans(ka), input_precision=PRECISION)
-        s += tl.dot(qb, tl.trans(kb), input_precision=PRECISION)
-        s = s * qk_scale
-        vis = (local_n[None, :] <= local_m[:, None]) & (k_live & col_ok)[None, :] & (q_live & row_ok)[:, None]
+        col_ok = local_n < length
+        k_live = (tl.load(live_ptr + start + local_n, mask=col_ok, other=0) != 0) & col_ok
+        k = _tile(k_ptr, base, local_n, col_ok, U, BLOCK_U)
+        v = _tile(v_ptr, base, local_n, col_ok, U, BLOCK_U)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        vis = (local_n[None, :] <= local_m[:, None]) & k_live[None, :] & q_live[:, None]
         p = tl.exp2(tl.where(vis, s, float("-inf")) - lse2[:, None])
-        vbase = (ktok.to(tl.int64) * L + head) * U
-        v = tl.load(v_ptr + vbase[:, None] + offs_u[None, :], mask=col_ok[:, None] & u_ok[None, :], other=0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = tl.where(vis, p * (dp - delta[:, None]), 0.0)
-        dqa += tl.dot(ds.to(ka.dtype), ka, input_precision=PRECISION)
-        dqb += tl.dot(ds.to(kb.dtype), kb, input_precision=PRECISION)
-    dqa, dqb = _unrotate(dqa * sm_scale, dqb * sm_scale, pos, freq_ptr, HALF, BLOCK_H)
-    _store_pair(dq_ptr, row_ok, tok, head, L, HALF, dqa, dqb, BLOCK_H)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+    offs_u = tl.arange(0, BLOCK_U)
+    tl.store(dq_ptr + base + local_m[:, None] * U + offs_u[None, :], dq * sm_scale,
+             mask=row_ok[:, None] & (offs_u < U)[None, :])
 
 
 @triton.jit
-def _mosrah_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, tok_ptr, pos_ptr, live_ptr, freq_ptr,
-                            dz_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                            L, HALF, U, qk_scale, sm_scale,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_U: tl.constexpr, PRECISION: tl.constexpr):
+def _mosrah_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, tok_ptr, live_ptr, dz_ptr, lse_ptr, delta_ptr,
+                            dk_ptr, dv_ptr, L, U, qk_scale, sm_scale,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+                            PRECISION: tl.constexpr):
     pid_n = tl.program_id(0)
     start, length, head = _segment(cu_ptr, tl.program_id(1), L)
     if pid_n * BLOCK_N >= length:
         return
+    base = start.to(tl.int64) * U
     local_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols, col_ok, ktok, kpos, k_live = _copies(tok_ptr, pos_ptr, live_ptr, start, local_n, length)
-    ka, kb = _load_rotated(k_ptr, cols, col_ok, ktok, head, L, HALF, kpos, freq_ptr, BLOCK_H)
-    ka = ka.to(k_ptr.dtype.element_ty)
-    kb = kb.to(k_ptr.dtype.element_ty)
-    offs_u = tl.arange(0, BLOCK_U)
-    u_ok = offs_u < U
-    kpair = ktok.to(tl.int64) * L + head
-    kv_mask = col_ok[:, None] & u_ok[None, :]
-    v = tl.load(v_ptr + kpair[:, None] * U + offs_u[None, :], mask=kv_mask, other=0.0)
-    dka = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
-    dkb = tl.zeros((BLOCK_N, BLOCK_H), dtype=tl.float32)
+    col_ok = local_n < length
+    k_live = (tl.load(live_ptr + start + local_n, mask=col_ok, other=0) != 0) & col_ok
+    k = _tile(k_ptr, base, local_n, col_ok, U, BLOCK_U)
+    v = _tile(v_ptr, base, local_n, col_ok, U, BLOCK_U)
+    dk = tl.zeros((BLOCK_N, BLOCK_U), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_U), dtype=tl.float32)
     lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M     # the first query tile that can see this key tile
     for start_m in range(lo, length, BLOCK_M):
         local_m = start_m + tl.arange(0, BLOCK_M)
-        rows, row_ok, tok, pos, q_live = _copies(tok_ptr, pos_ptr, live_ptr, start, local_m, length)
-        qa, qb = _load_rotated(q_ptr, rows, row_ok, tok, head, L, HALF, pos, freq_ptr, BLOCK_H)
-        qa = qa.to(q_ptr.dtype.element_ty)
-        qb = qb.to(q_ptr.dtype.element_ty)
-        pair = tok.to(tl.int64) * L + head
-        do = tl.load(dz_ptr + pair[:, None] * U + offs_u[None, :], mask=row_ok[:, None] & u_ok[None, :],
-                     other=0.0)
-        lse = tl.load(lse_ptr + rows, mask=row_ok, other=0.0)
+        row_ok = local_m < length
+        q_live = (tl.load(live_ptr + start + local_m, mask=row_ok, other=0) != 0) & row_ok
+        q = _tile(q_ptr, base, local_m, row_ok, U, BLOCK_U)
+        do = _tile(dz_ptr, base, local_m, row_ok, U, BLOCK_U)
+        lse = tl.load(lse_ptr + start + local_m, mask=row_ok, other=0.0)
         lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)
-        delta = tl.load(delta_ptr + pair, mask=row_ok, other=0.0)
-        # transposed scores [BLOCK_N keys, BLOCK_M queries]
-        st = tl.dot(ka, tl.trans(qa), input_precision=PRECISION)
-        st += tl.dot(kb, tl.trans(qb), input_precision=PRECISION)
-        st = st * qk_scale
-        vis = (local_n[:, None] <= local_m[None, :]) & (k_live & col_ok)[:, None] & (q_live & row_ok)[None, :]
+        delta = tl.load(delta_ptr + start + local_m, mask=row_ok, other=0.0)
+        # transposed scores [BLOCK_N keys, BLOCK_M queries]: keys are the wgmma M dimension
+        st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale
+        vis = (local_n[:, None] <= local_m[None, :]) & k_live[:, None] & q_live[None, :]
         pt = tl.exp2(tl.where(vis, st, float("-inf")) - lse2[None, :])
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         dst = tl.where(vis, pt * (dpt - delta[None, :]), 0.0)
-        dka += tl.dot(dst.to(qa.dtype), qa, input_precision=PRECISION)
-        dkb += tl.dot(dst.to(qb.dtype), qb, input_precision=PRECISION)
-    dka, dkb = _unrotate(dka * sm_scale, dkb * sm_scale, kpos, freq_ptr, HALF, BLOCK_H)
-    _store_pair(dk_ptr, col_ok, ktok, head, L, HALF, dka, dkb, BLOCK_H)
-    tl.store(dv_ptr + kpair[:, None] * U + offs_u[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+        dk += tl.dot(dst.to(q.dtype), q, input_precision=PRECISION)
+    offs_u = tl.arange(0, BLOCK_U)
+    u_ok = (offs_u < U)[None, :]
+    tl.store(dk_ptr + base + local_n[:, None] * U + offs_u[None, :], dk * sm_scale, mask=col_ok[:, None] & u_ok)
+    ktok = tl.load(tok_ptr + start + local_n, mask=col_ok, other=0)
+    vbase = (ktok.to(tl.int64) * L + head) * U
+    tl.store(dv_ptr + vbase[:, None] + offs_u[None, :], dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None] & u_ok)
+
+
+@triton.jit
+def _mosrah_cached_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, z_ptr, L, T, U,
+                          stride_kb, stride_kj, qk_scale,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """A chunk's packed queries ``[B, L, T, U]`` (rotated) over the cache rows of their
+    head: query t sees rows ``j < limit[b, l, t]`` (0 for dead queries). The key loop
+    stops at the tile's largest limit, so a decode step reads only the head's rows."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    b = pid_s // L
+    head = pid_s % L
+    local_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = local_m < T
+    qbase = pid_s.to(tl.int64) * T * U
+    q = _tile(q_ptr, qbase, local_m, row_ok, U, BLOCK_U)
+    limit = tl.load(limit_ptr + pid_s.to(tl.int64) * T + local_m, mask=row_ok, other=0)
+    kbase = b.to(tl.int64) * stride_kb + head * U
+    offs_u = tl.arange(0, BLOCK_U)
+    u_ok = (offs_u < U)[None, :]
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_U), dtype=tl.float32)
+    hi = tl.max(limit, 0)
+    for start_n in range(0, hi, BLOCK_N):
+        local_n = start_n + tl.arange(0, BLOCK_N)
+        col_ok = local_n < hi
+        offs = kbase + local_n[:, None] * stride_kj + offs_u[None, :]
+        k = tl.load(k_ptr + offs, mask=col_ok[:, None] & u_ok, other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        vis = local_n[None, :] < limit[:, None]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_shift[:, None])
+        corr = tl.exp2(m_i - m_shift)
+        l_i = l_i * corr + tl.sum(p, 1)
+        v = tl.load(v_ptr + offs, mask=col_ok[:, None] & u_ok, other=0.0).to(q.dtype)
+        acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    z = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(z_ptr + qbase + local_m[:, None] * U + offs_u[None, :], z.to(z_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & u_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -301,11 +375,23 @@ class Tiles:
 
 
 # Keyed by the padded head dim BLOCK_U; checked for spills by the static sm_90 check.
-# fp32 takes exact ("ieee") products on the FMA units, hence smaller tiles.
-_TILES_16BIT = {16: Tiles(64, 64, 64, 64, 64, 64), 32: Tiles(64, 64, 64, 64, 64, 64),
-                64: Tiles(64, 64, 64, 64, 64, 64, 8), 128: Tiles(64, 32, 32, 32, 32, 32, 8)}
+# The loops are a plain varlen flash over pre-rotated rows, so 16-bit tiles are the
+# flash core's: 128 queries per forward/dq program at head dims 64 and 128 (two
+# warpgroups, each on 64-row wgmma), 128 keys per dk/dv program (keys are the M
+# dimension of its products). fp32 takes exact ("ieee") products on the FMA units,
+# hence smaller tiles.
+_TILES_16BIT = {16: Tiles(64, 64, 64, 64, 32, 64), 32: Tiles(64, 64, 64, 64, 32, 64),
+                64: Tiles(128, 64, 128, 64, 32, 128, 8), 128: Tiles(128, 64, 128, 64, 32, 128, 8)}
+# A head dim padded to 128 that is not a multiple of 16 loads rows with per-element
+# masks (no 16-byte vectors): its dk/dv tile of 128 keys spills, 64 keys do not.
+_TILES_16BIT_ODD = {128: Tiles(128, 64, 128, 64, 32, 64, 8)}
 _TILES_FP32 = {16: Tiles(64, 32, 32, 32, 32, 32), 32: Tiles(64, 32, 32, 32, 32, 32),
                64: Tiles(32, 32, 32, 32, 32, 32, 8), 128: Tiles(16, 32, 16, 16, 16, 16, 8)}
+# the row kernels (pack, δ, the rotation's backward)
+ROWS, ROW_WARPS = 32, 4
+# Cached attention: fp32 queries (the cached path computes in fp32), a chunk of a few
+# rows (one per decode step), so 16 queries per program; (BLOCK_M, BLOCK_N, warps).
+_TILES_CACHED = {16: (16, 32, 4), 32: (16, 32, 4), 64: (16, 32, 4), 128: (16, 32, 8)}
 
 
 def _blocks(head_dim: int) -> tuple[int, int]:
@@ -315,7 +401,17 @@ def _blocks(head_dim: int) -> tuple[int, int]:
 
 def tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
     """Launch tiles (tests monkeypatch this to force several tiles per segment)."""
-    return (_TILES_FP32 if dtype == torch.float32 else _TILES_16BIT)[_blocks(head_dim)[1]]
+    block_u = _blocks(head_dim)[1]
+    if dtype == torch.float32:
+        return _TILES_FP32[block_u]
+    if head_dim % 16 and block_u in _TILES_16BIT_ODD:
+        return _TILES_16BIT_ODD[block_u]
+    return _TILES_16BIT[block_u]
+
+
+def cached_tiles(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the cached attention kernel."""
+    return _TILES_CACHED[_blocks(head_dim)[1]]
 
 
 # ----------------------------------------------------------------------------
@@ -326,57 +422,104 @@ def tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
 @triton_op("laminae::mosrah_attention_fwd", mutates_args=())
 def _mosrah_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                           token: torch.Tensor, position: torch.Tensor, live: torch.Tensor,
-                          inv_freq: torch.Tensor, scale: float, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+                          inv_freq: torch.Tensor, scale: float, max_len: int
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(Z, LSE, q̃, k̃, v)``: the last three are the packed copy rows the backward reuses."""
     B, N, L, U = q.shape
     t = tiles(U, q.dtype)
     block_h, block_u = _blocks(U)
+    segments = cu_seqlens.shape[0] - 1
+    rows = (token.shape[0], U)
+    qr, kr, vr = (empty(rows, dtype=q.dtype, device=q.device) for _ in range(3))
+    wrap_triton(_pack_kernel)[(triton.cdiv(max_len, ROWS), segments)](
+        q, k, v, cu_seqlens, token, position, live, inv_freq, qr, kr, vr, L, U // 2, U,
+        BLOCK_R=ROWS, BLOCK_H=block_h, num_warps=ROW_WARPS)
     # pairs no copy selects stay 0: Z there is structurally zero, not unwritten memory
     z = torch.zeros_like(q)
     lse = empty(token.shape, dtype=torch.float32, device=q.device)
-    wrap_triton(_mosrah_fwd_kernel)[(triton.cdiv(max_len, t.fwd_m), cu_seqlens.shape[0] - 1)](
-        q, k, v, cu_seqlens, token, position, live, inv_freq, z, lse, L, U // 2, U, scale * LOG2E,
-        BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n, BLOCK_H=block_h, BLOCK_U=block_u, PRECISION=dot_precision(q.dtype),
+    wrap_triton(_mosrah_fwd_kernel)[(triton.cdiv(max_len, t.fwd_m), segments)](
+        qr, kr, vr, cu_seqlens, token, live, z, lse, L, U, scale * LOG2E,
+        BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n, BLOCK_U=block_u, PRECISION=dot_precision(q.dtype),
         num_warps=t.warps, num_stages=t.stages)
-    return z, lse
+    return z, lse, qr, kr, vr
 
 
 @triton_op("laminae::mosrah_attention_bwd", mutates_args=())
-def _mosrah_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+def _mosrah_attention_bwd(qr: torch.Tensor, kr: torch.Tensor, vr: torch.Tensor, cu_seqlens: torch.Tensor,
                           token: torch.Tensor, position: torch.Tensor, live: torch.Tensor,
-                          inv_freq: torch.Tensor, scale: float, max_len: int, dz: torch.Tensor,
-                          lse: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    B, N, L, U = q.shape
-    t = tiles(U, q.dtype)
+                          inv_freq: torch.Tensor, scale: float, max_len: int, z: torch.Tensor, dz: torch.Tensor,
+                          lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, N, L, U = z.shape
+    t = tiles(U, z.dtype)
     block_h, block_u = _blocks(U)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     segments = cu_seqlens.shape[0] - 1
-    common = dict(BLOCK_H=block_h, BLOCK_U=block_u, PRECISION=dot_precision(q.dtype), num_warps=t.warps,
-                  num_stages=t.stages)
-    args = (q, k, v, cu_seqlens, token, position, live, inv_freq, dz, lse, delta)
+    dzr = empty(qr.shape, dtype=qr.dtype, device=qr.device)
+    delta = empty(token.shape, dtype=torch.float32, device=qr.device)
+    row_grid = (triton.cdiv(max_len, ROWS), segments)
+    wrap_triton(_bwd_prep_kernel)[row_grid](dz, z, cu_seqlens, token, dzr, delta, L, U,
+                                            BLOCK_R=ROWS, BLOCK_U=block_u, num_warps=ROW_WARPS)
+    # the rotated-frame gradients stay fp32 until the rotation back
+    dqr, dkr = (empty(qr.shape, dtype=torch.float32, device=qr.device) for _ in range(2))
+    dv = torch.zeros_like(z)
+    common = dict(BLOCK_U=block_u, PRECISION=dot_precision(z.dtype), num_warps=t.warps, num_stages=t.stages)
     wrap_triton(_mosrah_bwd_dq_kernel)[(triton.cdiv(max_len, t.dq_m), segments)](
-        *args, dq, L, U // 2, U, scale * LOG2E, scale, BLOCK_M=t.dq_m, BLOCK_N=t.dq_n, **common)
+        qr, kr, vr, cu_seqlens, live, dzr, lse, delta, dqr, L, U, scale * LOG2E, scale,
+        BLOCK_M=t.dq_m, BLOCK_N=t.dq_n, **common)
     wrap_triton(_mosrah_bwd_dkdv_kernel)[(triton.cdiv(max_len, t.dkdv_n), segments)](
-        *args, dk, dv, L, U // 2, U, scale * LOG2E, scale, BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n, **common)
+        qr, kr, vr, cu_seqlens, token, live, dzr, lse, delta, dkr, dv, L, U, scale * LOG2E, scale,
+        BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n, **common)
+    dq, dk = torch.zeros_like(z), torch.zeros_like(z)
+    wrap_triton(_unpack_grad_kernel)[row_grid](dqr, dkr, cu_seqlens, token, position, inv_freq, dq, dk,
+                                               L, U // 2, U, BLOCK_R=ROWS, BLOCK_H=block_h, num_warps=ROW_WARPS)
     return dq, dk, dv
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_seqlens, token, position, live, inv_freq, scale, max_len = inputs
-    z, lse = output
-    ctx.save_for_backward(q, k, v, cu_seqlens, token, position, live, inv_freq, z, lse)
+    _, _, _, cu_seqlens, token, position, live, inv_freq, scale, max_len = inputs
+    z, lse, qr, kr, vr = output
+    ctx.save_for_backward(qr, kr, vr, cu_seqlens, token, position, live, inv_freq, z, lse)
     ctx.scale, ctx.max_len = scale, max_len
 
 
-def _backward(ctx, dz, _dlse):
-    q, k, v, cu_seqlens, token, position, live, inv_freq, z, lse = ctx.saved_tensors
-    dz = dz.contiguous()
-    delta = (dz.float() * z.float()).sum(-1).contiguous()
-    dq, dk, dv = _mosrah_attention_bwd(q, k, v, cu_seqlens, token, position, live, inv_freq, ctx.scale,
-                                       ctx.max_len, dz, lse, delta)
+def _backward(ctx, dz, *_unused):
+    qr, kr, vr, cu_seqlens, token, position, live, inv_freq, z, lse = ctx.saved_tensors
+    dq, dk, dv = _mosrah_attention_bwd(qr, kr, vr, cu_seqlens, token, position, live, inv_freq, ctx.scale,
+                                       ctx.max_len, z, dz.contiguous(), lse)
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _mosrah_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@triton_op("laminae::mosrah_cached_attention", mutates_args=())
+def _mosrah_cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limit: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    B, L, T, U = q.shape
+    block_m, block_n, warps = cached_tiles(U)
+    z = empty(q.shape, dtype=q.dtype, device=q.device)
+    wrap_triton(_mosrah_cached_kernel)[(triton.cdiv(T, block_m), B * L)](
+        q, keys, values, limit, z, L, T, U, keys.stride(0), keys.stride(1), scale * LOG2E,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_U=_blocks(U)[1], PRECISION=dot_precision(q.dtype),
+        num_warps=warps, num_stages=2)
+    return z
+
+
+def mosrah_cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limit: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Attention of a chunk's rotated queries over a MoSRAH cache (inference: no backward).
+
+    Args:
+        q: ``[B, L, T, u]`` rotated queries, packed per head (slot order).
+        keys, values: ``[B, length, L, u]`` the cache's rows (rotated keys), any
+            float dtype (cast to q's in the kernel); the last two dims contiguous.
+        limit: ``[B, L, T]`` int32: query ``t`` sees rows ``j < limit`` (0: none).
+        scale: the score factor A/√u.
+    Returns:
+        ``[B, L, T, u]`` in q's dtype (0 where ``limit`` is 0).
+    """
+    keys, values = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
+                    for t in (keys, values))
+    return _mosrah_cached_attention(q.contiguous(), keys, values, limit.to(torch.int32).contiguous(), float(scale))
 
 
 def mosrah_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -400,8 +543,8 @@ def mosrah_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     head_dim = q.shape[-1]
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         raise ShapeError(f"Triton MoSRAH needs an even head_dim ≤ {MAX_HEAD_DIM}, got {head_dim}")
-    z, _ = _mosrah_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, token, position_ids,
-                                 attention_mask, inv_freq.to(torch.float32).contiguous(), float(scale), q.shape[1])
+    z = _mosrah_attention_fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, token, position_ids,
+                              attention_mask, inv_freq.to(torch.float32).contiguous(), float(scale), q.shape[1])[0]
     return z
 
 
@@ -469,29 +612,70 @@ def mosrah(x: torch.Tensor, routing_weight: torch.Tensor, expert_bias: torch.Ten
 # ----------------------------------------------------------------------------
 
 
+def _attention_cases(p: str, t: Tiles, const: dict, tags: dict, hgmma: dict,
+                     even: tuple[str, ...]) -> Iterator[StaticCase]:
+    """The forward, dq and dk/dv kernels at tiles ``t``; ``even``: the integer
+    arguments compiled as multiples of 16 (the packed rows' width U)."""
+    layout = dict(cu_ptr="*i32", tok_ptr="*i32")
+    packed = ("q_ptr", "k_ptr", "v_ptr") + even
+    yield StaticCase("mosrah_fwd", _mosrah_fwd_kernel,
+                     dict(q_ptr=p, k_ptr=p, v_ptr=p) | layout | dict(live_ptr="*i8", z_ptr=p,
+                     lse_ptr="*fp32", L="i32", U="i32", qk_scale="fp32"),
+                     const | dict(BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n), t.warps, t.stages, tags=tags,
+                     divisible=packed + ("z_ptr",), **hgmma)
+    bwd = dict(q_ptr=p, k_ptr=p, v_ptr=p, cu_ptr="*i32")
+    grads = dict(dz_ptr=p, lse_ptr="*fp32", delta_ptr="*fp32")
+    yield StaticCase("mosrah_bwd_dq", _mosrah_bwd_dq_kernel,
+                     bwd | dict(live_ptr="*i8") | grads | dict(dq_ptr="*fp32", L="i32", U="i32",
+                     qk_scale="fp32", sm_scale="fp32"),
+                     const | dict(BLOCK_M=t.dq_m, BLOCK_N=t.dq_n), t.warps, t.stages, tags=tags,
+                     divisible=packed + ("dz_ptr", "dq_ptr"), **hgmma)
+    yield StaticCase("mosrah_bwd_dkdv", _mosrah_bwd_dkdv_kernel,
+                     bwd | dict(tok_ptr="*i32", live_ptr="*i8") | grads | dict(dk_ptr="*fp32", dv_ptr=p,
+                     L="i32", U="i32", qk_scale="fp32", sm_scale="fp32"),
+                     const | dict(BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n), t.warps, t.stages, tags=tags,
+                     divisible=packed + ("dz_ptr", "dk_ptr", "dv_ptr"), **hgmma)
+
+
 def static_cases() -> Iterator[StaticCase]:
-    """Every kernel at every (dtype, head dim) tile configuration it launches with."""
+    """Every kernel at every (dtype, head dim) tile configuration it launches with.
+    Head dims that are multiples of 16 (16–128) compile as launched with 16-byte
+    aligned rows (``divisible``); 16-bit ones at 64 and 128 must build on wgmma."""
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
         precision = dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16)
-        table = _TILES_FP32 if dt == "fp32" else _TILES_16BIT
         for head_dim in (16, 32, 64, 128):
             block_h, block_u = _blocks(head_dim)
-            t = table[block_u]
-            meta = dict(q_ptr=p, k_ptr=p, v_ptr=p, cu_ptr="*i32", tok_ptr="*i32", pos_ptr="*i32",
-                        live_ptr="*i8", freq_ptr="*fp32")
-            scalars = dict(L="i32", HALF="i32", U="i32", qk_scale="fp32")
-            const = dict(BLOCK_H=block_h, BLOCK_U=block_u, PRECISION=precision)
             tags = {"dtype": dt, "head_dim": head_dim}
-            yield StaticCase("mosrah_fwd", _mosrah_fwd_kernel, meta | dict(z_ptr=p, lse_ptr="*fp32") | scalars,
-                             const | dict(BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n), t.warps, t.stages, tags=tags)
-            bwd = meta | dict(dz_ptr=p, lse_ptr="*fp32", delta_ptr="*fp32")
-            yield StaticCase("mosrah_bwd_dq", _mosrah_bwd_dq_kernel,
-                             bwd | dict(dq_ptr=p) | scalars | dict(sm_scale="fp32"),
-                             const | dict(BLOCK_M=t.dq_m, BLOCK_N=t.dq_n), t.warps, t.stages, tags=tags)
-            yield StaticCase("mosrah_bwd_dkdv", _mosrah_bwd_dkdv_kernel,
-                             bwd | dict(dk_ptr=p, dv_ptr=p) | scalars | dict(sm_scale="fp32"),
-                             const | dict(BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n), t.warps, t.stages, tags=tags)
+            hgmma = dict(expect="HGMMA") if dt != "fp32" and head_dim >= 64 else {}
+            layout = dict(cu_ptr="*i32", tok_ptr="*i32")
+            rows = dict(BLOCK_R=ROWS, BLOCK_H=block_h)
+            yield StaticCase("mosrah_pack", _pack_kernel,
+                             dict(q_ptr=p, k_ptr=p, v_ptr=p) | layout | dict(pos_ptr="*i32", live_ptr="*i8",
+                             freq_ptr="*fp32", qr_ptr=p, kr_ptr=p, vr_ptr=p, L="i32", HALF="i32", U="i32"),
+                             rows, ROW_WARPS, tags=tags,
+                             divisible=("q_ptr", "k_ptr", "v_ptr", "qr_ptr", "kr_ptr", "vr_ptr", "U"))
+            yield StaticCase("mosrah_bwd_prep", _bwd_prep_kernel,
+                             dict(dz_ptr=p, z_ptr=p) | layout | dict(dzr_ptr=p, delta_ptr="*fp32", L="i32", U="i32"),
+                             dict(BLOCK_R=ROWS, BLOCK_U=block_u), ROW_WARPS, tags=tags,
+                             divisible=("dz_ptr", "z_ptr", "dzr_ptr", "U"))
+            yield StaticCase("mosrah_unpack_grad", _unpack_grad_kernel,
+                             dict(dqr_ptr="*fp32", dkr_ptr="*fp32") | layout | dict(pos_ptr="*i32", freq_ptr="*fp32",
+                             dq_ptr=p, dk_ptr=p, L="i32", HALF="i32", U="i32"),
+                             rows, ROW_WARPS, tags=tags, divisible=("dqr_ptr", "dkr_ptr", "dq_ptr", "dk_ptr", "U"))
+            const = dict(BLOCK_U=block_u, PRECISION=precision)
+            dtype = torch.float32 if dt == "fp32" else torch.bfloat16
+            yield from _attention_cases(p, tiles(head_dim, dtype), const, tags, hgmma, ("U",))
+            # a head dim that is not a multiple of 16 (u − 2) launches unspecialised, with its own tiles
+            yield from _attention_cases(p, tiles(head_dim - 2, dtype), const, tags | {"head_dim": head_dim - 2},
+                                        {}, ())
+            c_m, c_n, c_warps = cached_tiles(head_dim)
+            yield StaticCase("mosrah_cached", _mosrah_cached_kernel,
+                             dict(q_ptr="*fp32", k_ptr=p, v_ptr=p, limit_ptr="*i32", z_ptr="*fp32", L="i32",
+                                  T="i32", U="i32", stride_kb="i32", stride_kj="i32", qk_scale="fp32"),
+                             dict(BLOCK_M=c_m, BLOCK_N=c_n, BLOCK_U=block_u, PRECISION="ieee"),
+                             c_warps, 2, tags=tags | {"cache": dt},
+                             divisible=("q_ptr", "k_ptr", "v_ptr", "z_ptr", "U", "stride_kj"))
     # the local sliding-window path of SHRAM: the shared flash core with a window
     from . import _flash
 

@@ -320,34 +320,40 @@ def _decode(m, x, prefill, mask=None):
     return prefill_then_decode(m, x, cache=m.empty_cache(x.shape[0]), prefill=prefill, attention_mask=mask)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("rope_mode", ["main_sequence", "semantic_sequence"])
 @pytest.mark.parametrize("prefill", [1, 5])
-def test_prefill_then_decode_equals_forward(rope_mode, prefill):
-    m = _module(L=5, K=2, rope_mode=rope_mode)
+def test_prefill_then_decode_equals_forward(rope_mode, prefill, backend):
+    """Both backends; without gradients the Triton backend's cached steps run the
+    cached attention kernel, judged against that backend's uncached forward."""
+    m = _module(L=5, K=2, rope_mode=rope_mode, backend=backend)
     x = torch.randn(2, 12, 24)
-    full = m(x).output
-    dec, cache = _decode(m, x, prefill)
+    with torch.no_grad():
+        full = m(x).output
+        dec, cache = _decode(m, x, prefill)
     assert (dec - full).abs().max() <= 1e-5
     routed = torch.zeros(2, 5, dtype=torch.long).scatter_add_(
         1, m.router(x).indices.reshape(2, -1), torch.ones(2, 24, dtype=torch.long))
     assert torch.equal(cache.counts, routed) and cache.length == 12
 
 
-def test_padded_prefill_decodes_like_the_forward_with_live_rank_horizon():
-    m = _module(L=4, K=2)
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_padded_prefill_decodes_like_the_forward_with_live_rank_horizon(backend):
+    m = _module(L=4, K=2, backend=backend)
     x = torch.randn(2, 10, 24)
     mask = torch.ones(2, 10, dtype=torch.bool)
     mask[0, :3] = False
     mask[1, 2] = False
-    full = m(x, attention_mask=mask).output
-    dec, _ = _decode(m, x, 6, mask)
-    assert (dec - full).abs().max() <= 1e-5
-    raw = _module(L=4, K=2, cache_horizon="raw_slot")
-    raw.load_state_dict(m.state_dict())
-    # the public implementation's rule lets live queries see later tokens of a padded chunk (errata E1)
-    assert (_decode(raw, x, 6, mask)[0] - full).abs().max() > 1e-2
-    all_live = torch.randn(2, 10, 24)
-    torch.testing.assert_close(_decode(raw, all_live, 6)[0], m(all_live).output, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        full = m(x, attention_mask=mask).output
+        dec, _ = _decode(m, x, 6, mask)
+        assert (dec - full).abs().max() <= 1e-5
+        raw = _module(L=4, K=2, cache_horizon="raw_slot", backend=backend)
+        raw.load_state_dict(m.state_dict())
+        # the public implementation's rule lets live queries see later tokens of a padded chunk (errata E1)
+        assert (_decode(raw, x, 6, mask)[0] - full).abs().max() > 1e-2
+        all_live = torch.randn(2, 10, 24)
+        torch.testing.assert_close(_decode(raw, all_live, 6)[0], m(all_live).output, atol=1e-5, rtol=0)
 
 
 def test_semantic_positions_after_a_padded_prefill_follow_the_live_count():
@@ -484,7 +490,8 @@ def test_config_errors(kwargs, match):
         MoSRAH(**{"embedding_width": 16, **kwargs})
 
 
-def test_input_errors():
+def test_input_errors(monkeypatch):
+    monkeypatch.setenv("LAMINAE_DEBUG", "1")     # the position values are read back only then
     m = MoSRAH(16, 4, 2, 16, training_sequence_length=32)
     x = torch.randn(2, 5, 16)
     with pytest.raises(ShapeError, match="x"):
@@ -514,19 +521,29 @@ def test_input_errors():
             m(x.cuda())
 
 
-def test_default_positions_are_bounded_without_reading_them():
-    """The default positions stay below positions seen + N, known on the host: an eager
-    forward reads one value back (the reference packing's largest head load), not the
-    positions (two more reads, a device sync each on a GPU)."""
-    m = _module()
+@pytest.mark.parametrize("backend, reads", [("triton", 0), ("reference", 1)])
+def test_eager_forward_reads_no_positions_back(backend, reads, monkeypatch):
+    """Reading positions back is a device sync per call, so their value checks run only
+    with ``LAMINAE_DEBUG=1``: a Triton forward reads nothing back, the reference one
+    value (its padded layout's largest head load). Default positions are bounded on
+    the host (positions seen + N; exactly 0 … N−1 without a cache and a mask)."""
+    monkeypatch.delenv("LAMINAE_DEBUG", raising=False)
+    m = _module(backend=backend)
     x, keep = torch.randn(2, 7, 24), torch.ones(2, 7, dtype=torch.bool)
     keep[0, :3] = False
-    assert host_reads(lambda: m(x, attention_mask=keep)) == 1
-    with pytest.raises(ConfigError, match="YaRN limit"):       # past the bound the positions are read
+    assert host_reads(lambda: m(x, attention_mask=keep)) == reads
+    assert host_reads(lambda: m(x, position_ids=torch.arange(7).expand(2, 7))) == reads
+    with pytest.raises(ConfigError, match="YaRN limit"):       # 0 … 69 past the limit, known on the host
         m(torch.randn(1, 70, 24))
     padded = torch.ones(1, 70, dtype=torch.bool)
-    padded[:, :10] = False                                      # 60 live tokens fit in 64 positions
-    m(torch.randn(1, 70, 24), attention_mask=padded)
+    padded[:, :10] = False
+    monkeypatch.setenv("LAMINAE_DEBUG", "1")
+    m(torch.randn(1, 70, 24), attention_mask=padded)            # 60 live tokens fit in 64 positions
+    padded[:, 5:10] = True
+    with pytest.raises(ConfigError, match="YaRN limit"):       # 65 do not: read back in debug mode
+        m(torch.randn(1, 70, 24), attention_mask=padded)
+    with pytest.raises(ConfigError, match="≥ 0"):
+        m(x, position_ids=torch.tensor([[0, 1, -1, 2, 3, 4, 5]] * 2))
 
 
 def test_cache_errors():
