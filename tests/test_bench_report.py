@@ -122,3 +122,20 @@ def test_chart_labels_never_overlap(tmp_path):
     finally:
         plt.close(fig)
     assert (tmp_path / "chart.png").stat().st_size > 0
+
+
+def test_the_sdpa_baseline_sees_the_mask_the_ops_see():
+    import torch
+
+    from bench._attention import qkv, sdpa
+
+    shape = (2, 12, 4, 2, 8)
+    assert "attention_mask" not in qkv(shape)       # the ops' default: causal only, as SDPA's
+    inp = qkv(shape, mask=True)
+    q, k, v, keep = inp["q"], inp["k"], inp["v"], inp["attention_mask"]
+    kr, vr = (t.repeat_interleave(2, dim=2) for t in (k, v))
+    scores = torch.einsum("bshd,bnhd->bhsn", q.double(), kr.double()) / 8 ** 0.5
+    visible = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    want = torch.einsum("bhsn,bnhd->bshd", p, vr.double())
+    torch.testing.assert_close(sdpa(**inp).double(), want, atol=1e-5, rtol=1e-5)
