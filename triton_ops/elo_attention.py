@@ -25,7 +25,10 @@ Forward (three launches)
               extra logit g·(prior_j + C[qb, j] + in-tile exclusive cumsum of dR);
               writes out and lse2.
 
-Backward (three launches), with upstream dO, dρ (rating) and δ_i = dO_i·out_i:
+Scores and log-sum-exps are kept in base 2 (s·log2 e, log2 e folded into the scalar
+scale), so every exponential is a single exp2; lse1 and lse2 are base-2 values.
+
+Backward (three launches, after a row kernel for δ), with upstream dO, dρ (rating) and δ_i = dO_i·out_i:
     dz_ij  = a_ij·(dO_i·v_j − δ_i)                           (second softmax)
     G_ij   = dρ_j + g·Σ_{i'>i} dz_i'j                          (∂L/∂dR_ij)
     γ_i    = Σ_j p_ij·G_ij
@@ -74,6 +77,9 @@ from ._common import StaticCase, dot_precision, empty
 __all__ = ["EloTiles", "elo_attention", "elo_attention_op", "launch_elo_attention", "static_cases", "tour_case", "uniform"]
 
 MAX_HEAD_DIM = 128
+LOG2E = tl.constexpr(1.4426950408889634)
+DELTA_BLOCK_M = 16
+DELTA_WARPS = 4
 # Matmul passes over the causal tiles, each 2·D multiply-adds per visible (query,
 # key) pair (listed in the module docstring); the benchmark's FLOP count reads them.
 MATMUL_PASSES = {"fwd": 4, "bwd": 9}
@@ -128,7 +134,9 @@ def _visible(rows, cols, S, N, mask_ptr, b):
 
 @triton.jit
 def _scores(q, k, scale, PRECISION: tl.constexpr):
-    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    """Scores in base-2 units, s·log2(e): every exponential is then one exp2 (the
+    hardware's ex2), with log2(e) folded into the scalar scale, not into each pair."""
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * LOG2E)
 
 
 @triton.jit
@@ -138,24 +146,24 @@ def _online_softmax(m_i, l_i, x):
     m_new = tl.maximum(m_i, tl.max(x, 1))
     # a row with nothing visible yet keeps max −inf; shift by 0 so no inf − inf
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    px = tl.exp(x - m_shift[:, None])
-    corr = tl.exp(m_i - m_shift)
+    px = tl.exp2(x - m_shift[:, None])
+    corr = tl.exp2(m_i - m_shift)
     return m_new, l_i * corr + tl.sum(px, 1), px, corr
 
 
 @triton.jit
 def _log_sum_exp(m_i, l_i):
-    """Per-row log-sum-exp and a safe divisor; rows with no visible key store 0
-    (every tile masks them out, and their outputs are 0)."""
+    """Per-row log-sum-exp (base 2, as the scores) and a safe divisor; rows with no
+    visible key store 0 (every tile masks them out, and their outputs are 0)."""
     empty_row = l_i == 0.0
     l_safe = tl.where(empty_row, 1.0, l_i)
-    return tl.where(empty_row, 0.0, m_i + tl.log(l_safe)), l_safe
+    return tl.where(empty_row, 0.0, m_i + tl.log2(l_safe)), l_safe
 
 
 @triton.jit
 def _match_and_intra(s, vis, lse1, rinv_n, ck, k_factor):
     """The rating-free match p, its rating update dR and intra = ck + Σ_{t<i in tile} dR."""
-    p = tl.where(vis, tl.exp(s - lse1[:, None]), 0.0)
+    p = tl.where(vis, tl.exp2(s - lse1[:, None]), 0.0)
     d_rating = tl.where(vis, k_factor * (p - rinv_n[:, None]), 0.0)
     intra = ck[None, :] + (tl.cumsum(d_rating, axis=0) - d_rating)
     return p, d_rating, intra
@@ -243,7 +251,7 @@ def _elo_fwd_out_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, lse1_ptr, rinv_ptr, kf_pt
     lse1 = _load_vec(lse1_ptr + bh * S, rows, S)
     rinv = _load_vec(rinv_ptr + bh * S, rows, S)
     k_factor = tl.load(kf_ptr + h)
-    gain = tl.load(gain_ptr + h)
+    gain2 = tl.load(gain_ptr + h) * LOG2E   # the rating logit in the scores' base-2 units
     k_base = k_ptr + (b * N * HKV + kvh) * D
     v_base = v_ptr + (b * N * HKV + kvh) * D
     ck_row = ck_ptr + (bh * NQB + pid_m) * N
@@ -258,7 +266,7 @@ def _elo_fwd_out_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, lse1_ptr, rinv_ptr, kf_pt
         ck = _load_vec(ck_row, cols, N)
         prior = _load_vec(prior_ptr + bh * N, cols, N)
         _, _, intra = _match_and_intra(s, vis, lse1, rinv, ck, k_factor)
-        z = tl.where(vis, s + gain * (prior[None, :] + intra), float("-inf"))
+        z = tl.where(vis, s + gain2 * (prior[None, :] + intra), float("-inf"))
         m_i, l_i, pz, corr = _online_softmax(m_i, l_i, z)
         v = _load_tile(v_base, cols, N, HKV * D, offs_d, D)
         acc = acc * corr[:, None] + tl.dot(pz.to(v.dtype), v, input_precision=PRECISION)
@@ -282,13 +290,30 @@ def _row_stats(lse1_ptr, rinv_ptr, lse2_ptr, delta_ptr, bh, S, rows):
 
 
 @triton.jit
+def _elo_bwd_delta_kernel(do_ptr, o_ptr, delta_ptr, S, H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """δ_i = dO_i·out_i in fp32 into [B·H, S]: one read of the contiguous [B, S, H, D]
+    dO and out (rather than torch's two fp32 upcasts, a product, a sum and a
+    transposing copy)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (b * S * H + h) * D
+    do = _load_tile(do_ptr + base, rows, S, H * D, offs_d, D)
+    out = _load_tile(o_ptr + base, rows, S, H * D, offs_d, D)
+    tl.store(delta_ptr + bh * S + rows, tl.sum(do.to(tl.float32) * out.to(tl.float32), 1), mask=rows < S)
+
+
+@triton.jit
 def _tile_grads(q, k, v, do, vis, lse1, rinv, lse2, delta, ck, prior, k_factor, gain, scale,
                 PRECISION: tl.constexpr):
     """Recompute one (query block, key block) tile of both softmaxes (two matmuls):
     the match p, intra, a = softmax(z) from lse2, and dz = a·(dO·vᵀ − δ)."""
     s = _scores(q, k, scale, PRECISION)
     p, _, intra = _match_and_intra(s, vis, lse1, rinv, ck, k_factor)
-    a = tl.where(vis, tl.exp(s + gain * (prior[None, :] + intra) - lse2[:, None]), 0.0)
+    a = tl.where(vis, tl.exp2(s + (gain * LOG2E) * (prior[None, :] + intra) - lse2[:, None]), 0.0)
     da = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     return p, intra, a, a * (da - delta[:, None])
 
@@ -611,7 +636,9 @@ def _backward(ctx, dout, drating, _dlse1, _drinv, _dlse2, _dck):
     B, S, H, _ = q.shape
     dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype).contiguous()
     drating = torch.zeros_like(prior) if drating is None else drating.float().contiguous()
-    delta = (dout.float() * out.float()).sum(-1).permute(0, 2, 1).reshape(B * H, S).contiguous()
+    delta = empty((B * H, S), dtype=torch.float32, device=q.device)
+    wrap_triton(_elo_bwd_delta_kernel)[(triton.cdiv(S, DELTA_BLOCK_M), B * H)](
+        dout, out, delta, S, H, q.shape[3], BLOCK_M=DELTA_BLOCK_M, BLOCK_D=block_d(q.shape[3]), num_warps=DELTA_WARPS)
     dq, dk, dv, dprior, dkf_part, dgain_part = _elo_attention_bwd(
         q, k, v, k_factor, gain, prior, key_mask, dout, drating, lse1, rinv, lse2, delta, ck)
     dk_factor = dkf_part.view(B, H, -1).sum(dim=(0, 2))
@@ -703,6 +730,9 @@ def static_cases() -> Iterator[StaticCase]:
                 # every kernel is matmul-shaped: 16-bit tiles at head_dim 64/128 must build wgmma
                 yield StaticCase(f"elo_{'fwd' if name in KERNELS[:3] else 'bwd'}_{name}", kernel, sig, launch,
                                  warps, stages, tags={"dtype": dt}, expect="" if dt == "fp32" or bd < 64 else "HGMMA")
+            yield StaticCase("elo_bwd_delta", _elo_bwd_delta_kernel,
+                             dict(do_ptr=f"*{dt}", o_ptr=f"*{dt}", delta_ptr="*fp32", S="i32", H="i32", D="i32"),
+                             dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt})
 
 
 def tour_case(device: torch.device):
