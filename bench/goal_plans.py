@@ -90,10 +90,9 @@ def derf(shape, *, split: bool = True) -> dict:
     return {"fwd": fwd, "fwd+bwd": fwd + bwd}
 
 
-def elo(shape, *, exp2: bool = True, delta_kernel: bool = True) -> dict:
-    """Elo attention's launches; ``exp2``/``delta_kernel`` False: before the base-2
-    exponentials (one extra multiply per exponential) and the δ row kernel (torch's
-    upcasts, product, sum and transposing copy: 28 bytes per element, five launches)."""
+def elo(shape, *, delta_kernel: bool = True) -> dict:
+    """Elo attention's launches; ``delta_kernel`` False: before the δ row kernel (torch's
+    upcasts, product, sum and transposing copy: 28 bytes per element, five passes)."""
     from laminae.triton_ops.elo_attention import _TILES
 
     b, s, h, hkv, d = shape
@@ -101,7 +100,7 @@ def elo(shape, *, exp2: bool = True, delta_kernel: bool = True) -> dict:
     t = _TILES[("16bit", bd)]
     bm = t.block_m
     q_bytes, kv_bytes = _bytes(shape)
-    x = 0 if exp2 else 1  # extra slot per exponential
+    x = 1  # exp: a multiply by log2 e before each ex2
     nqb = math.ceil(s / bm)
     ck_bytes = b * h * nqb * s * 4
 

@@ -185,7 +185,7 @@ def estimate_rows(measured: list[dict] | None = None, entries: list | None = Non
     sdpa = {(r["shape"], r["mode"]): r for r in rates(measured or []) if r["mechanism"] == SDPA}
     variants = [("derf_attention", "before", lambda s: plans.derf(s, split=False)),
                 ("derf_attention", "after", lambda s: plans.derf(s, split=True)),
-                ("elo_attention", "before", lambda s: plans.elo(s, exp2=False, delta_kernel=False)),
+                ("elo_attention", "before", lambda s: plans.elo(s, delta_kernel=False)),
                 ("elo_attention", "after", lambda s: plans.elo(s)),
                 ("affine_scaled_attention", "now", lambda s: plans.affine(s)),
                 ("affine_scaled_attention", "projected", lambda s: plans.affine(s, fused_epilogue=True, scan_chunks=16))]

@@ -25,9 +25,6 @@ Forward (three launches)
               extra logit g·(prior_j + C[qb, j] + in-tile exclusive cumsum of dR);
               writes out and lse2.
 
-Scores and log-sum-exps are kept in base 2 (s·log2 e, log2 e folded into the scalar
-scale), so every exponential is a single exp2; lse1 and lse2 are base-2 values.
-
 Backward (three launches, after a row kernel for δ), with upstream dO, dρ (rating) and δ_i = dO_i·out_i:
     dz_ij  = a_ij·(dO_i·v_j − δ_i)                           (second softmax)
     G_ij   = dρ_j + g·Σ_{i'>i} dz_i'j                          (∂L/∂dR_ij)
@@ -77,7 +74,6 @@ from ._common import StaticCase, dot_precision, empty
 __all__ = ["EloTiles", "elo_attention", "elo_attention_op", "launch_elo_attention", "static_cases", "tour_case", "uniform"]
 
 MAX_HEAD_DIM = 128
-LOG2E = tl.constexpr(1.4426950408889634)
 DELTA_BLOCK_M = 16
 DELTA_WARPS = 4
 # Matmul passes over the causal tiles, each 2·D multiply-adds per visible (query,
@@ -134,9 +130,7 @@ def _visible(rows, cols, S, N, mask_ptr, b):
 
 @triton.jit
 def _scores(q, k, scale, PRECISION: tl.constexpr):
-    """Scores in base-2 units, s·log2(e): every exponential is then one exp2 (the
-    hardware's ex2), with log2(e) folded into the scalar scale, not into each pair."""
-    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * (scale * LOG2E)
+    return tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
 
 
 @triton.jit
@@ -146,24 +140,24 @@ def _online_softmax(m_i, l_i, x):
     m_new = tl.maximum(m_i, tl.max(x, 1))
     # a row with nothing visible yet keeps max −inf; shift by 0 so no inf − inf
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    px = tl.exp2(x - m_shift[:, None])
-    corr = tl.exp2(m_i - m_shift)
+    px = tl.exp(x - m_shift[:, None])
+    corr = tl.exp(m_i - m_shift)
     return m_new, l_i * corr + tl.sum(px, 1), px, corr
 
 
 @triton.jit
 def _log_sum_exp(m_i, l_i):
-    """Per-row log-sum-exp (base 2, as the scores) and a safe divisor; rows with no
-    visible key store 0 (every tile masks them out, and their outputs are 0)."""
+    """Per-row log-sum-exp and a safe divisor; rows with no visible key store 0
+    (every tile masks them out, and their outputs are 0)."""
     empty_row = l_i == 0.0
     l_safe = tl.where(empty_row, 1.0, l_i)
-    return tl.where(empty_row, 0.0, m_i + tl.log2(l_safe)), l_safe
+    return tl.where(empty_row, 0.0, m_i + tl.log(l_safe)), l_safe
 
 
 @triton.jit
 def _match_and_intra(s, vis, lse1, rinv_n, ck, k_factor):
     """The rating-free match p, its rating update dR and intra = ck + Σ_{t<i in tile} dR."""
-    p = tl.where(vis, tl.exp2(s - lse1[:, None]), 0.0)
+    p = tl.where(vis, tl.exp(s - lse1[:, None]), 0.0)
     d_rating = tl.where(vis, k_factor * (p - rinv_n[:, None]), 0.0)
     intra = ck[None, :] + (tl.cumsum(d_rating, axis=0) - d_rating)
     return p, d_rating, intra
@@ -251,7 +245,7 @@ def _elo_fwd_out_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, lse1_ptr, rinv_ptr, kf_pt
     lse1 = _load_vec(lse1_ptr + bh * S, rows, S)
     rinv = _load_vec(rinv_ptr + bh * S, rows, S)
     k_factor = tl.load(kf_ptr + h)
-    gain2 = tl.load(gain_ptr + h) * LOG2E   # the rating logit in the scores' base-2 units
+    gain = tl.load(gain_ptr + h)
     k_base = k_ptr + (b * N * HKV + kvh) * D
     v_base = v_ptr + (b * N * HKV + kvh) * D
     ck_row = ck_ptr + (bh * NQB + pid_m) * N
@@ -266,7 +260,7 @@ def _elo_fwd_out_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, lse1_ptr, rinv_ptr, kf_pt
         ck = _load_vec(ck_row, cols, N)
         prior = _load_vec(prior_ptr + bh * N, cols, N)
         _, _, intra = _match_and_intra(s, vis, lse1, rinv, ck, k_factor)
-        z = tl.where(vis, s + gain2 * (prior[None, :] + intra), float("-inf"))
+        z = tl.where(vis, s + gain * (prior[None, :] + intra), float("-inf"))
         m_i, l_i, pz, corr = _online_softmax(m_i, l_i, z)
         v = _load_tile(v_base, cols, N, HKV * D, offs_d, D)
         acc = acc * corr[:, None] + tl.dot(pz.to(v.dtype), v, input_precision=PRECISION)
@@ -313,7 +307,7 @@ def _tile_grads(q, k, v, do, vis, lse1, rinv, lse2, delta, ck, prior, k_factor, 
     the match p, intra, a = softmax(z) from lse2, and dz = a·(dO·vᵀ − δ)."""
     s = _scores(q, k, scale, PRECISION)
     p, _, intra = _match_and_intra(s, vis, lse1, rinv, ck, k_factor)
-    a = tl.where(vis, tl.exp2(s + (gain * LOG2E) * (prior[None, :] + intra) - lse2[:, None]), 0.0)
+    a = tl.where(vis, tl.exp(s + gain * (prior[None, :] + intra) - lse2[:, None]), 0.0)
     da = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     return p, intra, a, a * (da - delta[:, None])
 
