@@ -21,8 +21,9 @@ Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i (fp32 out):
           whose two [BLOCK_N, D] accumulators already fill the registers).
           Both recompute s and w through the same tile helpers; nothing is
           written twice, so no atomics.
-Every kernel walks the blocks every query sees whole first (no causal test, only
-the key mask), then the diagonal ones with the per-pair causal test.
+The kernels walk the blocks every query sees whole first (no causal test, only the
+key mask), then the diagonal ones with the per-pair causal test (except the
+configurations in UNSPLIT, which test every block in one loop).
 
 (erf(z) + 1)/2 is evaluated as erfc(−z)/2 = exp(−z²)·t·P(t) (t = 1/(1 + |z|/2), P a
 degree-10 fit of erfcx; relative error ≲ 4e-6 in fp32 out to underflow), so the
