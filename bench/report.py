@@ -159,6 +159,80 @@ def static_table(per_config: bool = False) -> str:
     return static.markdown(reports) if per_config else static.docs_section(reports)
 
 
+# Goals, as FLOP rates at the goal shape: exotic attention cores at 60 % of SDPA's rate.
+# SDPA's rate is the measured one when a run gives it; otherwise an assumed
+# FlashAttention-2-class 50 % of the dense bf16 peak (495 TFLOP/s), marked "assumed".
+SDPA_ASSUMED = 0.5 * 990e12
+GOAL_OF_SDPA = 0.6
+
+
+def _estimator():
+    try:
+        from . import estimate, goal_plans
+    except ImportError:
+        import estimate
+        import goal_plans
+    return estimate, goal_plans
+
+
+def estimate_rows(measured: list[dict] | None = None, entries: list | None = None) -> list[dict]:
+    """Per (op, goal shape, mode, variant): FLOPs, bytes, the estimated time from the
+    static table (bench/estimate.py) and, where a run measured it, the Triton time."""
+    est, plans = _estimator()
+    if entries is None:
+        entries = [r.record() for r in _static().load_table().values()]
+    ms = {(r["mechanism"], r["shape"], r["mode"]): r["median_ms"] for r in (measured or []) if r["provider"] == "triton"}
+    sdpa = {(r["shape"], r["mode"]): r for r in rates(measured or []) if r["mechanism"] == SDPA}
+    variants = [("derf_attention", "before", lambda s: plans.derf(s, split=False)),
+                ("derf_attention", "after", lambda s: plans.derf(s, split=True)),
+                ("elo_attention", "before", lambda s: plans.elo(s, delta_kernel=False)),
+                ("elo_attention", "after", lambda s: plans.elo(s)),
+                ("affine_scaled_attention", "now", lambda s: plans.affine(s)),
+                ("affine_scaled_attention", "projected", lambda s: plans.affine(s, fused_epilogue=True, scan_chunks=16))]
+    out = []
+    for shape in plans.GOAL:
+        sid = plans.goal_id(shape)
+        flops = plans.attention_flops(shape)
+        for name, variant, build in variants:
+            for mode, launches in build(shape).items():
+                parts = est.estimate_op(entries, launches)
+                seconds = est.total_seconds(parts)
+                ref = sdpa.get((sid, mode))
+                sdpa_rate = ref["tflops"] * 1e12 if ref and ref.get("tflops") else SDPA_ASSUMED
+                rate = flops[mode] / seconds
+                out.append(dict(op=name, shape=sid, mode=mode, variant=variant, flops=flops[mode],
+                                bytes=sum(l.bytes for l in launches), est_ms=seconds * 1e3,
+                                of_sdpa=rate / sdpa_rate, sdpa_assumed=ref is None,
+                                measured_ms=ms.get((name, sid, mode)), parts=parts))
+    return out
+
+
+def estimate_table(rows: list[dict]) -> str:
+    lines = ["| op | shape | mode | variant | GFLOP | MB moved | est. ms | est. of SDPA's rate (goal 60 %) | "
+             "measured ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        assumed = " (assumed SDPA)" if r["sdpa_assumed"] else ""
+        meas = f"{r['measured_ms']:.3f}" if r["measured_ms"] is not None else "-"
+        lines.append(f"| {r['op']} | {r['shape']} | {r['mode']} | {r['variant']} | {r['flops'] / 1e9:.1f} | "
+                     f"{r['bytes'] / 1e6:.0f} | {r['est_ms']:.3f} | {100 * r['of_sdpa']:.0f} %{assumed} | {meas} |")
+    return "\n".join(lines)
+
+
+def launch_table(rows: list[dict]) -> str:
+    """Per launch of each row: configuration facts and the model's terms."""
+    lines = ["| op | shape | mode | variant | kernel | tiles | TC | CTAs/SM × warps | programs (waves) | "
+             "serial steps | MB | tc µs | ALU µs | mem µs | serial µs | est. µs | bound by |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for e in r["parts"]:
+            l, en = e.launch, e.entry
+            lines.append(f"| {r['op']} | {r['shape']} | {r['mode']} | {r['variant']} | {l.kernel} | {l.note} | "
+                         f"{en['tensor_cores']} | {en['ctas_per_sm']} × {en['num_warps']} | {l.programs} ({e.waves}) | "
+                         f"{l.serial_steps} | {l.bytes / 1e6:.0f} | {e.tc_s * 1e6:.0f} | {e.alu_s * 1e6:.0f} | "
+                         f"{e.mem_s * 1e6:.0f} | {e.lat_s * 1e6:.0f} | {e.seconds * 1e6:.0f} | {e.bound} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("json", nargs="*", help="pytest-benchmark JSON files (merged)")
@@ -166,6 +240,9 @@ def main(argv=None) -> int:
     p.add_argument("--static", action="store_true", help="also print the static sm_90 summary (from the table)")
     p.add_argument("--static-configs", action="store_true", help="print every static sm_90 configuration")
     p.add_argument("--update-docs", metavar="MD", help="rewrite the generated static section of this file")
+    p.add_argument("--estimate", action="store_true",
+                   help="per op at the goal shapes: FLOPs, bytes, estimated time (static table), measured time")
+    p.add_argument("--launches", action="store_true", help="with --estimate: the model's terms per launch")
     args = p.parse_args(argv)
     if args.json:
         machine, rows = load(*args.json)
@@ -183,6 +260,12 @@ def main(argv=None) -> int:
             print(f"\nchart: {png}")
         except ImportError:
             print("\n(matplotlib not installed: no chart; `pip install laminae[bench]`)")
+    if args.estimate:
+        measured = load(*args.json)[1] if args.json else None
+        est = estimate_rows(measured)
+        print("\n" + estimate_table(est))
+        if args.launches:
+            print("\n" + launch_table(est))
     if args.static or args.static_configs:
         print("\n" + static_table(per_config=args.static_configs))
     if args.update_docs:

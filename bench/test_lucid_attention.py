@@ -31,11 +31,11 @@ def lucid_bytes(shape) -> dict:
     return by_mode(fwd, 2 * fwd + (b * s * h * d) * item)
 
 
-@pytest.mark.parametrize("shape", SHAPES + GOAL, ids=shape_id)
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)   # the goal shapes on GPU
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_lucid_attention(benchmark, provider, mode, shape):
-    inputs = qkv(shape, mask=False)  # no key mask: the SDPA baseline gets none either
+    inputs = qkv(shape)
     run_benchmark(benchmark, name="lucid_attention", provider=provider, mode=mode, op=lucid_attention,
                   reference=lucid_attention_reference, inputs=inputs, grad_names=["q", "k", "v"],
                   shape=shape_id(shape), flops=lucid_flops(shape), bytes_moved=lucid_bytes(shape))

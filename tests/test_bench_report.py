@@ -122,3 +122,59 @@ def test_chart_labels_never_overlap(tmp_path):
     finally:
         plt.close(fig)
     assert (tmp_path / "chart.png").stat().st_size > 0
+
+
+def test_the_sdpa_baseline_sees_the_mask_the_ops_see():
+    import torch
+
+    from bench._attention import qkv, sdpa
+
+    shape = (2, 12, 4, 2, 8)
+    assert "attention_mask" not in qkv(shape)       # the ops' default: causal only, as SDPA's
+    inp = qkv(shape, mask=True)
+    q, k, v, keep = inp["q"], inp["k"], inp["v"], inp["attention_mask"]
+    kr, vr = (t.repeat_interleave(2, dim=2) for t in (k, v))
+    scores = torch.einsum("bshd,bnhd->bhsn", q.double(), kr.double()) / 8 ** 0.5
+    visible = torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    p = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).nan_to_num(0.0)
+    want = torch.einsum("bhsn,bnhd->bshd", p, vr.double())
+    torch.testing.assert_close(sdpa(**inp).double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_the_estimate_is_the_documented_model_on_a_made_up_table():
+    from bench import estimate as est
+
+    table = [dict(mechanism="m", kernel="k", config="BLOCK=64,dtype=bf16", ctas_per_sm=2, num_warps=4,
+                  tensor_cores="HGMMA"),
+             dict(mechanism="m", kernel="k", config="BLOCK=64,dtype=fp16", ctas_per_sm=1, num_warps=4,
+                  tensor_cores="HMMA"),
+             dict(mechanism="m", kernel="scan", config="dtype=bf16", ctas_per_sm=1, num_warps=4, tensor_cores="-")]
+    # 2 CTAs/SM x 132 SMs = 264 slots; 400 programs: 2 waves, busy 400/528; 8 resident warps hide all
+    gemm = est.Launch("m", "k", ("BLOCK=64",), programs=400, tc_flops=990e9, alu_slots=10e9, bytes=4.8e9)
+    (e,) = est.estimate_op(table, [gemm])
+    busy = 400 / 528
+    assert e.entry["tensor_cores"] == "HGMMA" and e.waves == 2 and e.busy == pytest.approx(busy) and e.hide == 1.0
+    assert e.tc_s == pytest.approx(1e-3 / busy) and e.mem_s == pytest.approx(1e-3 / busy)
+    assert e.alu_s == pytest.approx(10e9 / (132 * 128 * 1.98e9) / busy)
+    assert e.seconds == pytest.approx(e.tc_s + e.alu_s + 4e-6) and e.bound == "tensor cores"
+    # fp16 picks the other entry: 1 CTA/SM (4 waves of 132, busy 400/528 again), mma.sync
+    # at half the rate and 4 resident warps (hide 1/2)
+    (f,) = est.estimate_op(table, [gemm], dtype="fp16")
+    assert f.waves == 4 and f.hide == 0.5 and f.tc_s == pytest.approx(990e9 / (495e12 * busy * 0.5))
+    # a scan of 64 carried steps on 64 programs: one wave, latency-bound
+    scan = est.Launch("m", "scan", (), programs=64, bytes=1e6, serial_steps=64, step_s=est.STEP_S)
+    (s,) = est.estimate_op(table, [scan])
+    assert s.bound == "serial steps" and s.seconds == pytest.approx(64 * 0.5e-6 + 4e-6)
+    with pytest.raises(KeyError):
+        est.estimate_op(table, [est.Launch("m", "k", ("BLOCK=32",), programs=1, tc_flops=1.0)])
+    # causal tiles: 4 query blocks of 64 over 32-key blocks read 2, 4, 6, 8; diagonal ones 2 each
+    assert est.causal_tiles(256, 64, 32) == 20 and est.diagonal_tiles(256, 64, 32) == 8
+    assert est.diagonal_tiles(256, 64, 64) == 4 and est.diagonal_tiles(256, 32, 64) == 8
+
+
+def test_the_goal_estimates_read_the_static_table_for_every_launch():
+    rows = report.estimate_rows()
+    assert {r["op"] for r in rows} == {"derf_attention", "elo_attention", "affine_scaled_attention"}
+    assert all(r["est_ms"] > 0 and r["measured_ms"] is None for r in rows)
+    table = report.estimate_table(rows)
+    assert "| derf_attention | B8-S2048-H16-KV16-D64 | fwd | after | 68.7 |" in table

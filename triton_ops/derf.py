@@ -21,6 +21,9 @@ Backward  with rden = 1/(den + 1e-8) and delta_i = dout_i·out_i (fp32 out):
           whose two [BLOCK_N, D] accumulators already fill the registers).
           Both recompute s and w through the same tile helpers; nothing is
           written twice, so no atomics.
+The kernels walk the blocks every query sees whole first (no causal test, only the
+key mask), then the diagonal ones with the per-pair causal test (except the
+configurations in UNSPLIT, which test every block in one loop).
 
 (erf(z) + 1)/2 is evaluated as erfc(−z)/2 = exp(−z²)·t·P(t) (t = 1/(1 + |z|/2), P a
 degree-10 fit of erfcx; relative error ≲ 4e-6 in fp32 out to underflow), so the
@@ -81,6 +84,19 @@ TILES = {
 
 def _tiles(kind: str, dtype: torch.dtype, block_d: int) -> tuple[int, int, int, int]:
     return TILES[(kind, "fp32" if dtype == torch.float32 else "16bit")][block_d]
+
+
+# Configurations that walk their blocks in one loop with the causal test on every
+# block: the second loop of the full/diagonal split (its own pipelined loads, its own
+# copy of the body) spills there on sm_90 (static check: 12–2,000 B), while the single
+# loop does not.
+UNSPLIT = {("fwd", "fp32", 64), ("fwd", "fp32", 256), ("fwd", "16bit", 256), ("dq", "fp32", 128),
+           ("dq", "16bit", 128), ("dkdv", "fp32", 128), ("dkdv", "fp32", 256)}
+
+
+def _split(kind: str, dtype: torch.dtype, block_d: int) -> bool:
+    """Whether this configuration walks full blocks and diagonal blocks in separate loops."""
+    return (kind, "fp32" if dtype == torch.float32 else "16bit", block_d) not in UNSPLIT
 
 
 DELTA_BLOCK_M = 16
@@ -181,6 +197,58 @@ def _derf_grad_tile(s, dp, delta, rden, visible, alpha, bias, gamma):
 
 
 @triton.jit
+def _full_keys(first_qpos, BLOCK_N: tl.constexpr):
+    """End of the key blocks from 0 that a query at ``first_qpos`` and every later one
+    sees whole (the causal bound needs no test there): a multiple of BLOCK_N."""
+    return ((first_qpos + 1) // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _visible(offs_n, qpos, kept, CAUSAL: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] (or [1, BLOCK_N] off the diagonal): the pairs that count."""
+    if CAUSAL:
+        return (offs_n[None, :] <= qpos[:, None]) & kept[None, :]
+    else:
+        return kept[None, :]
+
+
+@triton.jit
+def _fwd_keys(acc, den, w_max, q, k_base, v_base, mask_ptr, b, stride_mb, stride_kn, stride_vn,
+              offs_d, d_ok, qpos, lo, hi, N, alpha, bias, gamma, scale,
+              CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+              LOW_PRECISION: tl.constexpr):
+    """The forward over key blocks [lo, hi); CAUSAL: test the causal bound per pair."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        k = _load_rows(k_base, offs_n, stride_kn, offs_d, n_ok, d_ok)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        kept = _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK)
+        visible = _visible(offs_n, qpos, kept, CAUSAL)
+        half, _ = _erf_parts(alpha * s + bias)
+        v = _load_rows(v_base, offs_n, stride_vn, offs_d, n_ok, d_ok)
+        w = tl.where(visible, gamma * half, 0.0)
+        if LOW_PRECISION:
+            # 16-bit weights for the tensor cores, relative to the row's running max |w|
+            # (fp16 would flush the erf tail, w < 6e-5, to subnormals and 0), and the
+            # same rounded weights summed into den: out stays a weighted mean of the
+            # values, exactly v_j in a row that sees one key (whose other gradients
+            # the truth makes 0).
+            w_new = tl.maximum(w_max, tl.max(tl.abs(w), axis=1))
+            ref = tl.where(w_new > 0, w_new, 1.0)
+            corr = w_max / ref   # 0 until a key is visible, when acc and den are still 0
+            w = (w / ref[:, None]).to(v.dtype)
+            den = den * corr + tl.sum(w.to(tl.float32), axis=1)
+            acc = acc * corr[:, None] + tl.dot(w, v, input_precision=PRECISION)
+            w_max = w_new
+        else:
+            den += tl.sum(w, axis=1)
+            acc += tl.dot(w, v, input_precision=PRECISION)
+
+    return acc, den, w_max
+
+
+@triton.jit
 def _derf_fwd_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr, out_ptr, out32_ptr, den_ptr,
     S, N, H, GROUP, D, scale,
@@ -190,7 +258,7 @@ def _derf_fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_mb,
     HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, LOW_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -215,32 +283,16 @@ def _derf_fwd_kernel(
     w_max = tl.zeros((BLOCK_M,), dtype=tl.float32)
     qpos = offs_m + past
     hi = tl.minimum(N, past + (pid_m + 1) * BLOCK_M)  # last key any query of this block sees, + 1
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        k = _load_rows(k_base, offs_n, stride_kn, offs_d, n_ok, d_ok)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        kept = _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK)
-        visible = (offs_n[None, :] <= qpos[:, None]) & kept[None, :]
-        half, _ = _erf_parts(alpha * s + bias)
-        v = _load_rows(v_base, offs_n, stride_vn, offs_d, n_ok, d_ok)
-        w = tl.where(visible, gamma * half, 0.0)
-        if LOW_PRECISION:
-            # 16-bit weights for the tensor cores, relative to the row's running max |w|
-            # (fp16 would flush the erf tail, w < 6e-5, to subnormals and 0), and the
-            # same rounded weights summed into den: out stays a weighted mean of the
-            # values, exactly v_j in a row that sees one key (whose other gradients
-            # the truth makes 0).
-            w_new = tl.maximum(w_max, tl.max(tl.abs(w), axis=1))
-            ref = tl.where(w_new > 0, w_new, 1.0)
-            corr = w_max / ref   # 0 until a key is visible, when acc and den are still 0
-            w = (w / ref[:, None]).to(v.dtype)
-            den = den * corr + tl.sum(w.to(tl.float32), axis=1)
-            acc = acc * corr[:, None] + tl.dot(w, v, input_precision=PRECISION)
-            w_max = w_new
-        else:
-            den += tl.sum(w, axis=1)
-            acc += tl.dot(w, v, input_precision=PRECISION)
+    # key blocks every query of the block sees in full, then the diagonal ones
+    full = 0
+    if SPLIT:
+        full = _full_keys(pid_m * BLOCK_M + past, BLOCK_N)
+        acc, den, w_max = _fwd_keys(acc, den, w_max, q, k_base, v_base, mask_ptr, b, stride_mb, stride_kn,
+                                    stride_vn, offs_d, d_ok, qpos, 0, full, N, alpha, bias, gamma, scale,
+                                    False, HAS_MASK, BLOCK_N, PRECISION, LOW_PRECISION)
+    acc, den, w_max = _fwd_keys(acc, den, w_max, q, k_base, v_base, mask_ptr, b, stride_mb, stride_kn, stride_vn,
+                                offs_d, d_ok, qpos, full, hi, N, alpha, bias, gamma, scale,
+                                True, HAS_MASK, BLOCK_N, PRECISION, LOW_PRECISION)
 
     if LOW_PRECISION:
         acc = acc * w_max[:, None]
@@ -279,6 +331,34 @@ def _derf_bwd_delta_kernel(do_ptr, out_ptr, delta_ptr, S, H, D,
 
 
 @triton.jit
+def _dkdv_queries(dk, dv, k, v, kept, offs_n, offs_d, d_ok, q_base, do_base, delta_ptr, den_ptr, row_base,
+                  stride_qs, stride_dos, lo, hi, S, past, alpha, bias, gamma, scale,
+                  CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+    """dK, dV of one key block from the query blocks [lo, hi) of one head; CAUSAL: the
+    blocks on the diagonal, where a pair's causal bound is tested."""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < S
+        q = _load_rows(q_base, offs_m, stride_qs, offs_d, m_ok, d_ok)
+        do = _load_rows(do_base, offs_m, stride_dos, offs_d, m_ok, d_ok)
+        delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+        rden = _rden(den_ptr + row_base, offs_m, m_ok)
+
+        s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale                   # [N, M]
+        dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)                         # dout_i·v_j
+        if CAUSAL:
+            visible = kept[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :] + past)
+        else:
+            visible = kept[:, None] & m_ok[None, :]
+        half, _, dz = _derf_grad_tile(s, dp, delta[None, :], rden[None, :], visible, alpha, bias, gamma)
+        w_r = tl.where(visible, gamma * half * rden[None, :], 0.0)
+        dv += tl.dot(w_r.to(do.dtype), do, input_precision=PRECISION)
+        dk += tl.dot((dz * alpha).to(q.dtype), q, input_precision=PRECISION)
+
+    return dk, dv
+
+
+@triton.jit
 def _derf_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, alpha_ptr, bias_ptr, gamma_ptr,
     do_ptr, delta_ptr, den_ptr, dk_ptr, dv_ptr,
@@ -291,7 +371,7 @@ def _derf_bwd_dkdv_kernel(
     stride_dvb, stride_dvn, stride_dvh,
     stride_mb,
     HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # Works in the transposed orientation [keys, queries] so that the key block's
     # k, v, dk, dv stay put while the query blocks stream past; the key block is the
@@ -316,6 +396,11 @@ def _derf_bwd_dkdv_kernel(
     # first query that can see this key block: position past + i >= first key
     lo = tl.maximum(pid_n * BLOCK_N - past, 0)
     lo = (lo // BLOCK_M) * BLOCK_M
+    # query blocks from diag_hi on see every key of this block: no causal test there
+    diag_hi = tl.minimum(tl.cdiv(tl.maximum(pid_n * BLOCK_N + BLOCK_N - 1 - past, 0), BLOCK_M) * BLOCK_M, S)
+    diag_hi = tl.maximum(diag_hi, lo)
+    if not SPLIT:
+        diag_hi = S
     for g in range(0, GROUP):
         h = hk * GROUP + g
         alpha = tl.load(alpha_ptr + h)
@@ -324,24 +409,39 @@ def _derf_bwd_dkdv_kernel(
         q_base = q_ptr + b * stride_qb + h * stride_qh
         do_base = do_ptr + b * stride_dob + h * stride_doh
         row_base = (b * H + h) * S
-        for start_m in range(lo, S, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < S
-            q = _load_rows(q_base, offs_m, stride_qs, offs_d, m_ok, d_ok)
-            do = _load_rows(do_base, offs_m, stride_dos, offs_d, m_ok, d_ok)
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-            rden = _rden(den_ptr + row_base, offs_m, m_ok)
-
-            s = tl.dot(k, tl.trans(q), input_precision=PRECISION) * scale                   # [N, M]
-            dp = tl.dot(v, tl.trans(do), input_precision=PRECISION)                         # dout_i·v_j
-            visible = kept[:, None] & m_ok[None, :] & (offs_n[:, None] <= offs_m[None, :] + past)
-            half, _, dz = _derf_grad_tile(s, dp, delta[None, :], rden[None, :], visible, alpha, bias, gamma)
-            w_r = tl.where(visible, gamma * half * rden[None, :], 0.0)
-            dv += tl.dot(w_r.to(do.dtype), do, input_precision=PRECISION)
-            dk += tl.dot((dz * alpha).to(q.dtype), q, input_precision=PRECISION)
+        dk, dv = _dkdv_queries(dk, dv, k, v, kept, offs_n, offs_d, d_ok, q_base, do_base, delta_ptr, den_ptr,
+                               row_base, stride_qs, stride_dos, lo, diag_hi, S, past, alpha, bias, gamma, scale,
+                               True, BLOCK_M, PRECISION)
+        if SPLIT:
+            dk, dv = _dkdv_queries(dk, dv, k, v, kept, offs_n, offs_d, d_ok, q_base, do_base, delta_ptr, den_ptr,
+                                   row_base, stride_qs, stride_dos, diag_hi, S, S, past, alpha, bias, gamma, scale,
+                                   False, BLOCK_M, PRECISION)
 
     _store_rows(dk_ptr + b * stride_dkb + hk * stride_dkh, offs_n, stride_dkn, offs_d, n_ok, d_ok, dk * scale)
     _store_rows(dv_ptr + b * stride_dvb + hk * stride_dvh, offs_n, stride_dvn, offs_d, n_ok, d_ok, dv)
+
+
+@triton.jit
+def _dq_keys(dq, sum_dz_s, sum_dz, sum_dw_e, q, do, delta, rden, k_base, v_base, mask_ptr, b, stride_mb, stride_kn,
+             stride_vn, offs_d, d_ok, qpos, lo, hi, N, alpha, bias, gamma, scale,
+             CAUSAL: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+    """dQ and the parameter sums over key blocks [lo, hi); CAUSAL as in :func:`_fwd_keys`."""
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        k = _load_rows(k_base, offs_n, stride_kn, offs_d, n_ok, d_ok)
+        v = _load_rows(v_base, offs_n, stride_vn, offs_d, n_ok, d_ok)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale                    # [M, N]
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        kept = _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK)
+        visible = _visible(offs_n, qpos, kept, CAUSAL)
+        half, dw, dz = _derf_grad_tile(s, dp, delta[:, None], rden[:, None], visible, alpha, bias, gamma)
+        dq += tl.dot((dz * alpha).to(k.dtype), k, input_precision=PRECISION)
+        sum_dz_s += tl.sum(dz * s, axis=1)
+        sum_dz += tl.sum(dz, axis=1)
+        sum_dw_e += tl.sum(dw * half, axis=1)
+
+    return dq, sum_dz_s, sum_dz, sum_dw_e
 
 
 @triton.jit
@@ -356,7 +456,7 @@ def _derf_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     stride_mb,
     HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -385,20 +485,15 @@ def _derf_bwd_dq_kernel(
     sum_dw_e = tl.zeros((BLOCK_M,), dtype=tl.float32)
     qpos = offs_m + past
     hi = tl.minimum(N, past + (pid_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        k = _load_rows(k_base, offs_n, stride_kn, offs_d, n_ok, d_ok)
-        v = _load_rows(v_base, offs_n, stride_vn, offs_d, n_ok, d_ok)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale                    # [M, N]
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        kept = _keys_kept(mask_ptr, b, stride_mb, offs_n, n_ok, HAS_MASK)
-        visible = (offs_n[None, :] <= qpos[:, None]) & kept[None, :]
-        half, dw, dz = _derf_grad_tile(s, dp, delta[:, None], rden[:, None], visible, alpha, bias, gamma)
-        dq += tl.dot((dz * alpha).to(k.dtype), k, input_precision=PRECISION)
-        sum_dz_s += tl.sum(dz * s, axis=1)
-        sum_dz += tl.sum(dz, axis=1)
-        sum_dw_e += tl.sum(dw * half, axis=1)
+    full = 0
+    if SPLIT:
+        full = _full_keys(pid_m * BLOCK_M + past, BLOCK_N)
+        dq, sum_dz_s, sum_dz, sum_dw_e = _dq_keys(
+            dq, sum_dz_s, sum_dz, sum_dw_e, q, do, delta, rden, k_base, v_base, mask_ptr, b, stride_mb, stride_kn,
+            stride_vn, offs_d, d_ok, qpos, 0, full, N, alpha, bias, gamma, scale, False, HAS_MASK, BLOCK_N, PRECISION)
+    dq, sum_dz_s, sum_dz, sum_dw_e = _dq_keys(
+        dq, sum_dz_s, sum_dz, sum_dw_e, q, do, delta, rden, k_base, v_base, mask_ptr, b, stride_mb, stride_kn,
+        stride_vn, offs_d, d_ok, qpos, full, hi, N, alpha, bias, gamma, scale, True, HAS_MASK, BLOCK_N, PRECISION)
 
     part = part_ptr + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * 3
     tl.store(part, tl.sum(sum_dz_s, axis=0))
@@ -467,7 +562,8 @@ def derf_attention_op(
         S, N, H, H // kv_heads, D, 1.0 / math.sqrt(D),
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(out), stride_mb,
         HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=dot_precision(q.dtype), LOW_PRECISION=low, num_warps=warps, num_stages=stages,
+        PRECISION=dot_precision(q.dtype), LOW_PRECISION=low, SPLIT=_split("fwd", q.dtype, block_d),
+        num_warps=warps, num_stages=stages,
     )
     return out, den, out32
 
@@ -494,6 +590,7 @@ def _derf_attention_bwd(
 
     dq = empty((B, S, H, D), dtype=q.dtype, device=q.device)
     block_m, block_n, warps, stages = _tiles("dq", q.dtype, block_d)
+    split = _split("dq", q.dtype, block_d)
     query_blocks = triton.cdiv(S, block_m)
     partials = empty((B, H, query_blocks, 3), dtype=torch.float32, device=q.device)
     wrap_triton(_derf_bwd_dq_kernel)[(query_blocks, B * H)](
@@ -501,18 +598,19 @@ def _derf_attention_bwd(
         S, N, H, group, D, scale,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dq), stride_mb,
         HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
+        PRECISION=precision, SPLIT=split, num_warps=warps, num_stages=stages,
     )
 
     dk = empty((B, N, kv_heads, D), dtype=k.dtype, device=k.device)
     dv = empty((B, N, kv_heads, D), dtype=v.dtype, device=v.device)
     block_m, block_n, warps, stages = _tiles("dkdv", q.dtype, block_d)
+    split = _split("dkdv", q.dtype, block_d)
     wrap_triton(_derf_bwd_dkdv_kernel)[(triton.cdiv(N, block_n), B * kv_heads)](
         q, k, v, mask, derf_alpha, derf_bias, derf_gamma, dout, delta, den, dk, dv,
         S, N, H, group, D, scale,
         *_strides3(q), *_strides3(k), *_strides3(v), *_strides3(dout), *_strides3(dk), *_strides3(dv), stride_mb,
         HAS_MASK=mask is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        PRECISION=precision, num_warps=warps, num_stages=stages,
+        PRECISION=precision, SPLIT=split, num_warps=warps, num_stages=stages,
     )
     # [B, H, query_blocks, 3] -> [H, 3]: columns dα, db, dγ
     dparams = partials.sum(dim=(0, 2))
@@ -745,6 +843,7 @@ def static_cases() -> Iterator[StaticCase]:
                                  PRECISION=dot_precision(dtype))
                     if kind == "fwd":
                         const["LOW_PRECISION"] = dtype != torch.float32
+                    const["SPLIT"] = _split(kind, dtype, block_d)
                     yield StaticCase(name, kernel, _attn_signature(kind, dt), const, warps, stages,
                                      tags={"dtype": dt}, expect=_expected_mma(dtype, block_d))
         p = f"*{dt}"

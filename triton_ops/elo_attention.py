@@ -25,7 +25,7 @@ Forward (three launches)
               extra logit g·(prior_j + C[qb, j] + in-tile exclusive cumsum of dR);
               writes out and lse2.
 
-Backward (three launches), with upstream dO, dρ (rating) and δ_i = dO_i·out_i:
+Backward (three launches, after a row kernel for δ), with upstream dO, dρ (rating) and δ_i = dO_i·out_i:
     dz_ij  = a_ij·(dO_i·v_j − δ_i)                           (second softmax)
     G_ij   = dρ_j + g·Σ_{i'>i} dz_i'j                          (∂L/∂dR_ij)
     γ_i    = Σ_j p_ij·G_ij
@@ -74,6 +74,8 @@ from ._common import StaticCase, dot_precision, empty
 __all__ = ["EloTiles", "elo_attention", "elo_attention_op", "launch_elo_attention", "static_cases", "tour_case", "uniform"]
 
 MAX_HEAD_DIM = 128
+DELTA_BLOCK_M = 16
+DELTA_WARPS = 4
 # Matmul passes over the causal tiles, each 2·D multiply-adds per visible (query,
 # key) pair (listed in the module docstring); the benchmark's FLOP count reads them.
 MATMUL_PASSES = {"fwd": 4, "bwd": 9}
@@ -279,6 +281,23 @@ def _row_stats(lse1_ptr, rinv_ptr, lse2_ptr, delta_ptr, bh, S, rows):
     """The four saved per-row vectors of a query block (0 past S)."""
     return (_load_vec(lse1_ptr + bh * S, rows, S), _load_vec(rinv_ptr + bh * S, rows, S),
             _load_vec(lse2_ptr + bh * S, rows, S), _load_vec(delta_ptr + bh * S, rows, S))
+
+
+@triton.jit
+def _elo_bwd_delta_kernel(do_ptr, o_ptr, delta_ptr, S, H, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """δ_i = dO_i·out_i in fp32 into [B·H, S]: one read of the contiguous [B, S, H, D]
+    dO and out (rather than torch's two fp32 upcasts, a product, a sum and a
+    transposing copy)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (b * S * H + h) * D
+    do = _load_tile(do_ptr + base, rows, S, H * D, offs_d, D)
+    out = _load_tile(o_ptr + base, rows, S, H * D, offs_d, D)
+    tl.store(delta_ptr + bh * S + rows, tl.sum(do.to(tl.float32) * out.to(tl.float32), 1), mask=rows < S)
 
 
 @triton.jit
@@ -611,7 +630,9 @@ def _backward(ctx, dout, drating, _dlse1, _drinv, _dlse2, _dck):
     B, S, H, _ = q.shape
     dout = torch.zeros_like(out) if dout is None else dout.to(q.dtype).contiguous()
     drating = torch.zeros_like(prior) if drating is None else drating.float().contiguous()
-    delta = (dout.float() * out.float()).sum(-1).permute(0, 2, 1).reshape(B * H, S).contiguous()
+    delta = empty((B * H, S), dtype=torch.float32, device=q.device)
+    wrap_triton(_elo_bwd_delta_kernel)[(triton.cdiv(S, DELTA_BLOCK_M), B * H)](
+        dout, out, delta, S, H, q.shape[3], BLOCK_M=DELTA_BLOCK_M, BLOCK_D=block_d(q.shape[3]), num_warps=DELTA_WARPS)
     dq, dk, dv, dprior, dkf_part, dgain_part = _elo_attention_bwd(
         q, k, v, k_factor, gain, prior, key_mask, dout, drating, lse1, rinv, lse2, delta, ck)
     dk_factor = dkf_part.view(B, H, -1).sum(dim=(0, 2))
@@ -703,6 +724,9 @@ def static_cases() -> Iterator[StaticCase]:
                 # every kernel is matmul-shaped: 16-bit tiles at head_dim 64/128 must build wgmma
                 yield StaticCase(f"elo_{'fwd' if name in KERNELS[:3] else 'bwd'}_{name}", kernel, sig, launch,
                                  warps, stages, tags={"dtype": dt}, expect="" if dt == "fp32" or bd < 64 else "HGMMA")
+            yield StaticCase("elo_bwd_delta", _elo_bwd_delta_kernel,
+                             dict(do_ptr=f"*{dt}", o_ptr=f"*{dt}", delta_ptr="*fp32", S="i32", H="i32", D="i32"),
+                             dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt})
 
 
 def tour_case(device: torch.device):

@@ -420,3 +420,33 @@ def test_compile_fullgraph_smoke():
     y = torch.compile(gate, fullgraph=True)(x, retrieved=r)
     y.sum().backward()
     torch.testing.assert_close(y, gate(x, retrieved=r))
+
+
+# Every tile configuration the CUDA path can pick (derf.TILES, through the same _tiles
+# lookup), in its own dtype against float64: S spans two query and key tiles of every
+# kernel plus a ragged last one, with cached keys (N > S) and a key mask (GQA in bf16),
+# so the full key blocks (no causal test) and the diagonal ones both run in each. fp32
+# at head dims <= 64 (32-row tiles) spans two tiles in the tests above.
+def _config_cases():
+    from laminae.triton_ops.derf import TILES, _block_d, _tiles
+
+    cases = []
+    for dtype, dims in ((torch.bfloat16, (16, 32, 64, 128, 256)), (torch.float16, (16, 32, 64, 128, 256)),
+                        (torch.float32, (128, 256))):
+        for d in dims:
+            assert _block_d(d) in TILES[("fwd", "fp32")]
+            widest = max(max(_tiles(kind, dtype, _block_d(d))[:2]) for kind in ("fwd", "dq", "dkdv"))
+            cases.append(pytest.param(dtype, d, 2 * widest + 5, id=f"{str(dtype)[6:]}-D{d}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype, D, S", _config_cases())
+def test_attention_every_tile_configuration_against_float64(dtype, D, S):
+    heads = (2, 1) if dtype == torch.bfloat16 else (1, 1)
+    inp = _attn_inputs(1, S, 3, *heads, D, True, 1.0, 1.0, seed=D + S, dtype=dtype)
+    # db = Σ_ij dz_ij sums terms of both signs over every pair, so its rounding is
+    # relative to Σ|dz|, not to the (here often near-zero) sum: the fp32 and the 16-bit
+    # stress tests above hold it; the relative-RMSE bound would test the cancellation
+    grads = [g for g in ATTN_GRADS if g != "derf_bias"]
+    result = parity_float64(derf_attention, derf_attention_reference, inp, grads)
+    assert result.ok, result.report()

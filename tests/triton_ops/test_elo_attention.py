@@ -180,3 +180,25 @@ def test_compile_fullgraph_smoke():
     ref_out, ref_rating = run(q, k, v)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(rating, ref_rating)
+
+
+def _config_cases():
+    cases = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in (16, 32, 64, 128):
+            t = elo_triton.tiles(d, dtype)   # the lookup the CUDA path makes
+            widest = max(t.block_m, *(t.of(k)[0] for k in elo_triton.KERNELS))
+            cases.append(pytest.param(dtype, d, 2 * widest + 5, id=f"{str(dtype)[6:]}-D{d}"))
+    return cases
+
+
+@pytest.mark.parametrize("dtype, D, S", _config_cases())
+def test_every_16bit_tile_configuration_against_float64(dtype, D, S):
+    # two query and key tiles of every kernel plus a ragged one, cached keys, a ragged
+    # key mask, GQA in bf16; base-2 scores and the δ row kernel in every configuration
+    from laminae.triton_ops.testing import parity_float64
+
+    heads = (2, 1) if dtype == torch.bfloat16 else (1, 1)
+    inp = _inputs(1, S, 3, *heads, D, "ragged", 1.0, 1.0, D + S, dtype=dtype)
+    result = parity_float64(elo_attention, elo_attention_reference, inp, GRADS, output_names=OUTPUTS)
+    assert result.ok, result.report()
