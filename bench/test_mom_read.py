@@ -32,10 +32,11 @@ def test_mom_read(benchmark, provider, mode, shape):
     # selected slots only: 2·2·B·S·H·d·(top·bs) forward, 3.5× with the backward
     # (scores recomputed, dV, dP, dQ, dK), as attention counts
     flops = by_mode(4 * b * s * h * d * tk * bs, 14 * b * s * h * d * tk * bs)
-    # Triton forward: q in, o out, the bank once, the fp32 per-pair partials (o and
-    # log-partition) written by the pair kernel and read by the merge
+    # Triton forward: q in, o out, the bank once, the per-pair partials (o in the input
+    # dtype, fp32 log-partition) written by the pair kernel and read by the merge
     elt = torch.tensor([], dtype=DTYPE).element_size()
-    bytes_moved = 2 * b * s * h * d * elt + 2 * e * bs * h * d * elt + 2 * b * s * tk * h * (d + 1) * 4
+    bytes_moved = (2 * b * s * h * d * elt + 2 * e * bs * h * d * elt
+                   + 2 * b * s * tk * h * (d * elt + 4))
     run_benchmark(benchmark, name="mom_read", provider=provider, mode=mode, op=mom_read,
                   reference=mom_read_reference, inputs=inputs, grad_names=["q", "k_bank", "v_bank", "top_gates"],
                   shape="B={},S={},H={},D={},E={},bs={},k={}".format(*shape), flops=flops,

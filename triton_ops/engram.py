@@ -2,20 +2,21 @@
 and the fused agreement gate of the layer fusion.
 
 Lookup forward (``_engram_fwd_kernel``), one program per BLOCK_M rows (row = one
-(batch, position) of the output), one launch per head:
+(batch, position) of the output), one launch for up to ``HEADS_PER_LAUNCH`` heads:
 
-    phase 1, per order n:  a = Σ_k  c[t-n+1+k] · W_{n,k}[head]ᵀ     (tl.dot, fp32 "ieee")
-                           id = (Σ_b 1[a_b > 0]·2^b) mod T           (legacy: ⌊|a_0|⌋ mod T)
+    phase 1, per order n:  a = Σ_k  c[t-n+1+k] · W_{n,k}[heads]ᵀ    (one tl.dot, fp32 "ieee")
+                           id = (Σ_b 1[a_b > 0]·2^b) mod T           (legacy: int64(⌊|a_0|⌋) mod T)
                            ids[row, n, head] = id  (-1 where n > fit[row])
-    phase 2, per D tile:   acc += Σ_n table_head[id_n]                (ids kept in registers)
-                           last head: out = acc / (H·fit), else acc → fp32 scratch
+    phase 2, per D tile:   acc += Σ_head Σ_n table_head[id_n]        (ids kept in registers)
+                           last launch: out = acc / (H·fit), else acc → fp32 scratch
 
 ``fit[row] = min(N, kept run ending at t)`` (torch, a running max over the keep mask;
 ``min(N, t+1)`` without padding) decides which orders are read: an n-gram never
 reaches a padded position, whose compressed vector is never loaded, and a padded row
 reads zeros. The tables are separate tensors (the module keeps the seed's
-``nn.Embedding`` per head, and stacking them would copy H·T·D values on every call),
-hence one launch per head and an fp32 [rows, D] scratch between launches when H > 1.
+``nn.Embedding`` per head, and stacking them would copy H·T·D values on every call):
+the kernel takes 8 table pointers and picks each unrolled head's at compile time;
+more heads run in launches of 8 with an fp32 [rows, D] scratch between them.
 The hash runs in exact fp32 (``input_precision="ieee"``) whatever the activation
 dtype: a tf32 product would flip signs and change buckets. The ids ([rows, N, H]
 int64) are an output and, with ``fit``, the only tensors saved for backward; nothing
@@ -68,6 +69,11 @@ BLOCK_BITS = 32    # hash bits (≤ 24) padded to a tl.dot-friendly width
 BLOCK_NG = 8       # register slots for the ids of every order
 BLOCK_D = 32       # table-row chunk
 NUM_WARPS = 4
+# Heads of one lookup launch (the kernel takes that many table pointers). More heads run
+# in launches of GROUP_HEADS with an fp32 [rows, D] scratch between them: a launch that
+# stores the scratch at BLOCK_H 8 spills in the static check, at 4 it does not.
+HEADS_PER_LAUNCH = 8
+GROUP_HEADS = 4
 # Table-gradient tiles: BWD_TILES["BLOCK_E"] sorted (bucket, row) entries × BLOCK_D columns per
 # program (a dict so tests can shrink the chunk and make every bucket cross chunk edges).
 BWD_TILES = {"BLOCK_E": 16, "BLOCK_D": 64}
@@ -84,9 +90,31 @@ _GATE_TILE_BWD = 1024  # the backward keeps ~3x more live values per element
 
 
 @triton.jit
-def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, fit_ptr, acc_ptr, out_ptr, ids_ptr,
-                       N, S, S_FULL, P, DC, D, T, BITS, H, head, MAX_NGRAM,
-                       LEGACY: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+def _head_table(h: tl.constexpr, t0, t1, t2, t3, t4, t5, t6, t7):
+    """Table pointer of the group's head h (a constexpr: the choice is made at compile time)."""
+    if h == 0:
+        tp = t0
+    elif h == 1:
+        tp = t1
+    elif h == 2:
+        tp = t2
+    elif h == 3:
+        tp = t3
+    elif h == 4:
+        tp = t4
+    elif h == 5:
+        tp = t5
+    elif h == 6:
+        tp = t6
+    else:
+        tp = t7
+    return tp
+
+
+@triton.jit
+def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, t0, t1, t2, t3, t4, t5, t6, t7, fit_ptr, acc_ptr, out_ptr, ids_ptr,
+                       N, S, S_FULL, P, DC, D, T, BITS, H, HEAD0, MAX_NGRAM,
+                       LEGACY: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_BITS: tl.constexpr,
                        BLOCK_NG: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
@@ -95,40 +123,54 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, fit_ptr, acc_ptr, out
     cur = (rows // S) * S_FULL + P + rows % S   # this position's row in the prefix-extended `c`
     # orders that fit: min(N, kept run ending at t); 0 on padding, whose row reads zeros
     fit = tl.load(fit_ptr + rows, mask=row_mask, other=0)
-    bits = tl.arange(0, BLOCK_BITS)
-    bit_mask = bits < BITS
-    bit_w = tl.load(bw_ptr + bits, mask=bit_mask, other=0.0)
+    # one hash product for the group's heads: column j is bit j % BLOCK_BITS of head j // BLOCK_BITS
+    cols_hb = tl.arange(0, BLOCK_H * BLOCK_BITS)
+    bit = cols_hb % BLOCK_BITS
+    head_of = HEAD0 + cols_hb // BLOCK_BITS
+    hb_mask = (bit < BITS) & (head_of < H)
+    bit_w = tl.load(bw_ptr + bit, mask=hb_mask, other=0.0)
+    hh = tl.arange(0, BLOCK_H)
+    head_ok = HEAD0 + hh < H
     ng = tl.arange(0, BLOCK_NG)
-    ids_all = tl.full((BLOCK_M, BLOCK_NG), -1, tl.int32)   # codes < 2^24: int32 keeps registers free
+    # codes < 2^24 and ids < T: int32 keeps registers free
+    ids_all = tl.full((BLOCK_M, BLOCK_NG, BLOCK_H), -1, tl.int32)
 
-    # phase 1: hash every order, keep the bucket ids in registers
+    # phase 1: hash every order for every head of the group, keep the bucket ids in registers
     for n in range(1, MAX_NGRAM + 1):
         # an order that fits never reaches padding: padded vectors (even NaN) are never loaded
         valid = fit >= n
-        a = tl.zeros((BLOCK_M, BLOCK_BITS), dtype=tl.float32)
+        a = tl.zeros((BLOCK_M, BLOCK_H * BLOCK_BITS), dtype=tl.float32)
         for k in range(0, n):
             slot = (n * (n - 1)) // 2 + k
             src = cur - (n - 1) + k
-            proj_rows = ((slot * H + head) * BITS + bits).to(tl.int64)
-            term = tl.zeros((BLOCK_M, BLOCK_BITS), dtype=tl.float32)
+            proj_rows = ((slot * H + head_of) * BITS + bit).to(tl.int64)
+            term = tl.zeros((BLOCK_M, BLOCK_H * BLOCK_BITS), dtype=tl.float32)
             for c0 in range(0, DC, BLOCK_C):
                 cols = c0 + tl.arange(0, BLOCK_C)
                 c_mask = cols < DC
                 x = tl.load(c_ptr + src[:, None] * DC + cols[None, :],
                             mask=valid[:, None] & c_mask[None, :], other=0.0).to(tl.float32)
                 w = tl.load(proj_ptr + proj_rows[None, :] * DC + cols[:, None],
-                            mask=c_mask[:, None] & bit_mask[None, :], other=0.0)
+                            mask=c_mask[:, None] & hb_mask[None, :], other=0.0)
                 term += tl.dot(x, w, input_precision="ieee")
             a += term
         if LEGACY:
-            code = tl.sum(tl.where(bits[None, :] == 0, tl.abs(a), 0.0), axis=1)
+            part = tl.where(bit[None, :] == 0, tl.abs(a), 0.0)
         else:
-            code = tl.sum(tl.where((a > 0) & bit_mask[None, :], bit_w[None, :], 0.0), axis=1)
-        idx = tl.where(valid, code.to(tl.int32) % T, -1)
-        tl.store(ids_ptr + rows * (MAX_NGRAM * H) + (n - 1) * H + head, idx.to(tl.int64), mask=row_mask)
-        ids_all = tl.where(ng[None, :] == n - 1, idx[:, None], ids_all)
+            part = tl.where((a > 0) & hb_mask[None, :], bit_w[None, :], 0.0)
+        code = tl.sum(tl.reshape(part, (BLOCK_M, BLOCK_H, BLOCK_BITS)), axis=2)
+        if LEGACY:
+            # the reference truncates |a| to int64: an int32 conversion saturates (GPU) or
+            # wraps (CPU) from 2^31 on and picks another bucket
+            bucket = (code.to(tl.int64) % T).to(tl.int32)
+        else:
+            bucket = code.to(tl.int32) % T
+        idx = tl.where(valid[:, None] & head_ok[None, :], bucket, -1)
+        tl.store(ids_ptr + rows[:, None] * (MAX_NGRAM * H) + (n - 1) * H + HEAD0 + hh[None, :], idx.to(tl.int64),
+                 mask=row_mask[:, None] & head_ok[None, :])
+        ids_all = tl.where(ng[None, :, None] == n - 1, idx[:, None, :], ids_all)
 
-    # phase 2: gather and sum this head's rows, D in chunks
+    # phase 2: gather and sum the group's rows, D in chunks
     inv_count = 1.0 / (tl.maximum(fit, 1) * H).to(tl.float32)
     for d0 in range(0, D, BLOCK_D):
         cols = d0 + tl.arange(0, BLOCK_D)
@@ -138,11 +180,14 @@ def _engram_fwd_kernel(c_ptr, proj_ptr, bw_ptr, table_ptr, fit_ptr, acc_ptr, out
             acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         else:
             acc = tl.load(acc_ptr + offs, mask=mask, other=0.0)
-        for n in range(0, MAX_NGRAM):
-            idx = tl.sum(tl.where(ng[None, :] == n, ids_all, 0), axis=1)
-            hit = mask & (idx >= 0)[:, None]
-            acc += tl.load(table_ptr + idx.to(tl.int64)[:, None] * D + cols[None, :], mask=hit,
-                           other=0.0).to(tl.float32)
+        for h in tl.static_range(BLOCK_H):
+            table_ptr = _head_table(h, t0, t1, t2, t3, t4, t5, t6, t7)
+            ids_h = tl.sum(tl.where(hh[None, None, :] == h, ids_all, 0), axis=2)
+            for n in range(0, MAX_NGRAM):
+                idx = tl.sum(tl.where(ng[None, :] == n, ids_h, 0), axis=1)
+                hit = mask & (idx >= 0)[:, None]
+                acc += tl.load(table_ptr + idx.to(tl.int64)[:, None] * D + cols[None, :], mask=hit,
+                               other=0.0).to(tl.float32)
         if LAST:
             tl.store(out_ptr + offs, (acc * inv_count[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
         else:
@@ -216,6 +261,25 @@ def _engram_bwd_fixup_kernel(keys_ptr, seg_end_ptr, dt_ptr, head_ptr, carry_ptr,
         tl.store(dt_ptr + key * D + cols, acc, mask=col_mask)
 
 
+# (legacy hash, BLOCK_H) -> (BLOCK_C, num_warps, num_stages): the fp32 hash operands
+# [16, BLOCK_C] x [BLOCK_C, BLOCK_H·BLOCK_BITS] live in registers (FMA dots), so wide head
+# groups take narrower compress_dim chunks, more warps and, at 8 sign-hash heads, one
+# load in flight less (3 stages spill 16 B there with fp32 activations); each entry is
+# spill-free in the static check.
+LOOKUP_TILES = {(False, 1): (32, 4, 3), (False, 2): (32, 4, 3), (False, 4): (32, 8, 3), (False, 8): (16, 8, 2),
+                (True, 1): (32, 4, 3), (True, 2): (32, 4, 3), (True, 4): (32, 4, 3), (True, 8): (16, 4, 3)}
+
+
+def lookup_tiles(heads: int, legacy: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_H, BLOCK_C, BLOCK_BITS, num_warps, num_stages) of a lookup launch: the heads of one
+    launch padded to a power of two; the legacy hash has one bit per head, so 16
+    columns (the narrowest tl.dot) instead of 32."""
+    block_h = triton.next_power_of_2(heads if heads <= HEADS_PER_LAUNCH else GROUP_HEADS)
+    block_bits = 16 if legacy else BLOCK_BITS
+    block_c, warps, stages = LOOKUP_TILES[(bool(legacy), block_h)]
+    return block_h, block_c, block_bits, warps, stages
+
+
 def _max_ngram(num_slots: int) -> int:
     return int(round((math.sqrt(8 * num_slots + 1) - 1) / 2))
 
@@ -243,15 +307,20 @@ def engram_lookup_fused(
     ids = empty((n_rows, max_ngram, heads), dtype=torch.int64, device=full.device)
     if n_rows == 0:
         return out, ids
-    acc = empty((n_rows, d), dtype=torch.float32, device=full.device) if heads > 1 else None
+    per_launch = heads if heads <= HEADS_PER_LAUNCH else GROUP_HEADS
+    groups = triton.cdiv(heads, per_launch)
+    acc = empty((n_rows, d), dtype=torch.float32, device=full.device) if groups > 1 else None
+    block_h, block_c, block_bits, warps, stages = lookup_tiles(heads, legacy_trunc)
     grid = (triton.cdiv(n_rows, BLOCK_M),)
-    for head in range(heads):
+    for g in range(groups):
+        group = tables[g * per_launch:(g + 1) * per_launch]
+        group = group + [group[0]] * (HEADS_PER_LAUNCH - len(group))   # unused pointer slots
         wrap_triton(_engram_fwd_kernel)[grid](
-            full, hash_projs, bit_weights, tables[head], fit, acc, out, ids,
-            n_rows, seq, seq_full, prefix_len, dc, d, table_size, bits, heads, head, max_ngram,
-            LEGACY=legacy_trunc, FIRST=head == 0, LAST=head == heads - 1,
-            BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C, BLOCK_BITS=BLOCK_BITS, BLOCK_NG=BLOCK_NG, BLOCK_D=BLOCK_D,
-            num_warps=NUM_WARPS,
+            full, hash_projs, bit_weights, *group, fit, acc, out, ids,
+            n_rows, seq, seq_full, prefix_len, dc, d, table_size, bits, heads, g * per_launch, max_ngram,
+            LEGACY=legacy_trunc, FIRST=g == 0, LAST=g == groups - 1, BLOCK_H=block_h,
+            BLOCK_M=BLOCK_M, BLOCK_C=block_c, BLOCK_BITS=block_bits, BLOCK_NG=BLOCK_NG, BLOCK_D=BLOCK_D,
+            num_warps=warps, num_stages=stages,
         )
     return out, ids
 
@@ -600,17 +669,24 @@ def engram_fusion(
 def static_cases() -> Iterator[StaticCase]:
     # (compressed/output dtype, table dtype): tables are usually fp32 master weights
     lookup_dtypes = [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32")]
+    # one launch of BLOCK_H heads (1..8 heads); more heads: launches of GROUP_HEADS that
+    # start (FIRST), continue or finish (LAST) the fp32 scratch sum
+    launches = [(h, True, True) for h in (1, 2, 3, 5)]
+    launches += [(9, True, False), (9, False, False), (9, False, True)]
     for c_dt, t_dt in lookup_dtypes:
         for legacy in (False, True):
-            for first, last in ((True, True), (True, False), (False, False), (False, True)):
+            for heads, first, last in launches:
+                block_h, block_c, block_bits, warps, stages = lookup_tiles(heads, legacy)
                 yield StaticCase(
                     "engram_fwd", _engram_fwd_kernel,
-                    dict(c_ptr=f"*{c_dt}", proj_ptr="*fp32", bw_ptr="*fp32", table_ptr=f"*{t_dt}",
-                         fit_ptr="*i32", acc_ptr="*fp32", out_ptr=f"*{c_dt}", ids_ptr="*i64", N="i32", S="i32", S_FULL="i32",
-                         P="i32", DC="i32", D="i32", T="i32", BITS="i32", H="i32", head="i32", MAX_NGRAM="i32"),
-                    dict(LEGACY=legacy, FIRST=first, LAST=last, BLOCK_M=BLOCK_M, BLOCK_C=BLOCK_C,
-                         BLOCK_BITS=BLOCK_BITS, BLOCK_NG=BLOCK_NG, BLOCK_D=BLOCK_D),
-                    NUM_WARPS, tags={"dtype": c_dt, "table": t_dt})
+                    dict(c_ptr=f"*{c_dt}", proj_ptr="*fp32", bw_ptr="*fp32",
+                         **{f"t{i}": f"*{t_dt}" for i in range(HEADS_PER_LAUNCH)},
+                         fit_ptr="*i32", acc_ptr="*fp32", out_ptr=f"*{c_dt}", ids_ptr="*i64", N="i32", S="i32",
+                         S_FULL="i32", P="i32", DC="i32", D="i32", T="i32", BITS="i32", H="i32", HEAD0="i32",
+                         MAX_NGRAM="i32"),
+                    dict(LEGACY=legacy, FIRST=first, LAST=last, BLOCK_H=block_h, BLOCK_M=BLOCK_M, BLOCK_C=block_c,
+                         BLOCK_BITS=block_bits, BLOCK_NG=BLOCK_NG, BLOCK_D=BLOCK_D),
+                    warps, stages, tags={"dtype": c_dt, "table": t_dt})
     tiles = dict(BLOCK_E=BWD_TILES["BLOCK_E"], BLOCK_D=BWD_TILES["BLOCK_D"])
     for dt in ("fp32", "bf16", "fp16"):
         yield StaticCase(

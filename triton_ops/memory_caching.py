@@ -5,9 +5,10 @@ Split of the work:
 - Gates γ [B, S, N] (torch, :func:`segment_gates`, differentiable): pools, the
   causal running pool, ⟨u, pool⟩ scores and the softmax over segments i ≤ s.
   O(B·S·N·G) work, no head or head-dim factor; autograd takes dγ back to u and p.
-- Full memories M_i = Σ κφ(k)vᵀ [B, H, N, D, D] (fp32 sums, stored in the input
-  dtype: the dot operand) and z_i [B, H, N, D] (fp32) (torch, one einsum;
-  O(N·D²) per head), recomputed in backward.
+- Full memories M_i = Σ κφ(k)ᵀv [B, H, N, D, D] (fp32 sums, stored in the input
+  dtype: the dot operand) and z_i [B, H, N, D] (fp32): ``_mc_mem_kernel``, program
+  (segment i, b·h), BLOCK_T tokens per step, K and V read once; recomputed in
+  backward.
 - Four kernels over row blocks of BLOCK_L tokens of the *sequence*, as flash
   attention tiles it; a block may hold the tail of one segment and the head of the
   next (segments shorter than a block, or not a multiple of it), so BLOCK_L is
@@ -84,6 +85,14 @@ CONFIGS = {
                         128: (16, 16, 32, 32, 8, 1)},
     "fp32": {16: (16, 16, 16, 16, 8, 2), 32: (16, 16, 32, 32, 4, 1), 64: (16, 16, 32, 32, 8, 2),
              128: (16, 16, 16, 16, 8, 1)},
+}
+# _mc_mem_kernel: input kind -> BLOCK_D -> (BLOCK_T tokens per step, num_warps). The
+# product is κφ(K)ᵀ·V, [BLOCK_D, BLOCK_T]·[BLOCK_T, BLOCK_D]: BLOCK_D is the MMA's M
+# (64/128: wgmma), BLOCK_T its K.
+MEM_CONFIGS = {
+    "16bit": {16: (64, 4), 32: (64, 4), 64: (64, 4), 128: (64, 8)},
+    "16bit-unaligned": {16: (32, 4), 32: (32, 4), 64: (32, 4), 128: (32, 8)},
+    "fp32": {16: (16, 4), 32: (16, 4), 64: (16, 4), 128: (16, 8)},
 }
 # arguments a "16bit" launch has as multiples of 16 (static_cases passes them to the compile)
 _DIVISIBLE = ("q_ptr", "k_ptr", "v_ptr", "mem_ptr", "y_ptr", "g_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dmem_ptr", "D")
@@ -208,6 +217,39 @@ def _last_segment(blk, S, L, BLOCK_L: tl.constexpr):
 # ----------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------
+
+
+@triton.jit
+def _mc_mem_kernel(k_ptr, v_ptr, keep_ptr, mem_ptr, z_ptr, S, H, D, L, N,
+                   BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (segment i, b·h): M_i = Σ κφ(k_t)ᵀ v_t over the kept tokens t of segment
+    i (fp32 sum, stored in the input dtype: the other kernels' dot operand) and
+    z_i = Σ κφ(k_t) (fp32). Dropped tokens are never loaded (0·NaN would be NaN)."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    b = bh // H
+    h = bh % H
+    cd = tl.arange(0, BLOCK_D)
+    d_ok = cd < D
+    rows = tl.arange(0, BLOCK_T)
+    hd = rows[:, None] * (H * D) + cd[None, :]
+    acc = tl.zeros([BLOCK_D, BLOCK_D], dtype=tl.float32)
+    z = tl.zeros([BLOCK_D], dtype=tl.float32)
+    end = tl.minimum(i * L + L, S)
+    for t0 in range(i * L, end, BLOCK_T):
+        tok = t0 + rows
+        ok = tok < end
+        kept = ok & (tl.load(keep_ptr + b * S + tok, mask=ok, other=0.0) > 0)
+        m = kept[:, None] & d_ok[None, :]
+        start = ((b * S + t0) * H + h) * D
+        phk = tl.where(m, _phi(tl.load(k_ptr + start + hd, mask=m, other=0.0).to(tl.float32)), 0.0)
+        v = tl.load(v_ptr + start + hd, mask=m, other=0.0)
+        z += tl.sum(phk, axis=0)
+        acc = tl.dot(tl.trans(_operand(phk, v.dtype)), v, acc, input_precision=PRECISION)
+    out = (bh * N + i) * D
+    tl.store(mem_ptr + out * D + cd[:, None] * D + cd[None, :], _operand(acc, mem_ptr.dtype.element_ty),
+             mask=d_ok[:, None] & d_ok[None, :])
+    tl.store(z_ptr + out + cd, z, mask=d_ok)
 
 
 @triton.jit
@@ -459,6 +501,13 @@ def _config(kind: str, head_dim: int) -> tuple[int, int, int, int, int, int, int
     return block_l, block_q, block_d, block_e, block_r, warps, stages
 
 
+def _mem_config(kind: str, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_D, num_warps) of :func:`_mc_mem_kernel`."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_t, warps = MEM_CONFIGS[kind][block_d]
+    return block_t, block_d, warps
+
+
 def segment_gates(u: torch.Tensor, p: torch.Tensor, keep: torch.Tensor, segment_len: int) -> torch.Tensor:
     """γ ``[B, S, N]`` fp32 (differentiable torch): for token t in segment s,
     softmax over i ≤ s of ⟨u_t, pool_i⟩ (causal running pool at i = s), 0 for i > s.
@@ -482,20 +531,17 @@ def segment_gates(u: torch.Tensor, p: torch.Tensor, keep: torch.Tensor, segment_
 
 def _segment_memories(k, v, keep, segment_len: int):
     """Full memories M [B, H, N, D, D] (fp32 sums in the input dtype: the kernels'
-    dot operand) and z [B, H, N, D] (fp32). Padded keys and values are dropped by
-    ``where`` (0·NaN would be NaN)."""
+    dot operand) and z [B, H, N, D] (fp32), one launch of :func:`_mc_mem_kernel`
+    reading K and V once."""
     B, S, H, D = k.shape
-    L = segment_len
-    N = triton.cdiv(S, L)
-    pad = N * L - S
-    kept = keep[..., None, None] > 0
-    phk = F.pad(torch.where(kept, F.elu(k.float()) + 1.0, 0.0), (0, 0, 0, 0, 0, pad)).reshape(B, N, L, H, D)
-    vs = F.pad(torch.where(kept, v.float(), 0.0), (0, 0, 0, 0, 0, pad)).reshape(B, N, L, H, D)
-    mem = torch.einsum("bnlhd,bnlhe->bhnde", phk, vs)
-    if k.dtype == torch.float16:   # saturate like the kernels' operands (_operand)
-        mem = mem.clamp(-65504.0, 65504.0)
-    mem = mem.to(k.dtype).contiguous()
-    mz = phk.sum(2).permute(0, 2, 1, 3).contiguous()
+    N = triton.cdiv(S, segment_len)
+    mem = empty((B, H, N, D, D), dtype=k.dtype, device=k.device)
+    mz = empty((B, H, N, D), dtype=torch.float32, device=k.device)
+    block_t, block_d, warps = _mem_config(_kind(k, v, mem), D)
+    wrap_triton(_mc_mem_kernel)[(N, B * H)](
+        k, v, keep, mem, mz, S, H, D, segment_len, N,
+        BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=dot_precision(k.dtype), num_warps=warps, num_stages=2,
+    )
     return mem, mz
 
 
@@ -640,6 +686,13 @@ def static_cases() -> Iterator[StaticCase]:
                 divisible = tuple(a for a in _DIVISIBLE if a in signature) if wide else ()
                 return StaticCase(name, kernel, signature, constexprs, divisible=divisible, **launch)
 
+            block_t, mem_warps = MEM_CONFIGS[kind][block_d]
+            yield StaticCase("mc_mem", _mc_mem_kernel,
+                             {"k_ptr": pt, "v_ptr": pt, "keep_ptr": "*fp32", "mem_ptr": pt, "z_ptr": "*fp32", **scal},
+                             dict(BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision), num_warps=mem_warps,
+                             num_stages=2, tags=launch["tags"], expect=launch["expect"],
+                             divisible=tuple(a for a in _DIVISIBLE if a in ("k_ptr", "v_ptr", "mem_ptr", "D")) if wide
+                             else ())
             yield case("mc_fwd", _mc_fwd_kernel,
                        {**ins, "mem_ptr": pt, "z_ptr": "*fp32", "y_ptr": pt, "den_ptr": "*fp32", **scal, "eps": "fp32"},
                        const)

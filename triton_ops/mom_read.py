@@ -18,16 +18,20 @@ pairs of a tile read the same block, so the ``[BLOCK_M, hd]`` query tile meets e
 
 Forward   ``_mom_fwd_pairs_kernel``, grid (tiles, H): a flash forward of the tile's
           pairs over their block (online softmax, no bias) writes each pair's
-          normalised partial ō_p (fp32) and its base-2 log-partition L_p.
+          normalised partial ō_p in the input dtype (a convex combination of v
+          rows, so one 16-bit rounding of it costs what the output's own rounding
+          does, at half the bytes of fp32) and its base-2 log-partition L_p (fp32).
           ``_mom_merge_kernel``, grid (token tiles, H): merges the Tk partials of a
           token with its log-gates, a_t = lg_t·log2e + L_t: o = Σ_t e^{a_t−M} ō_t /
           Σ_t e^{a_t−M}, LSE = M + log Σ_t e^{a_t−M}.
 Backward  ``_mom_bwd_dq_kernel``, grid (tiles, H): δ = dO·o, recomputed
           P = exp(q·k/√hd + lg_t − LSE), dS = P (dO·v − δ); writes each pair's dq
-          partial (fp32, summed over t in torch), the block mass W_t = Σ_j P_j and
+          partial in the input dtype, the block mass W_t = Σ_j P_j and
           c_t = Σ_j P_j dP_j per pair and head (torch forms dlg_t = Σ_t' (W_t' c_t −
           W_t c_t'), a pairwise form free of the cancellation c_t − W_t·δ has when
           W_t ≈ 1), and each sorted pair's shift LSE − lg_t and δ for the next kernel.
+          ``_mom_dq_merge_kernel``, grid (token tiles, H): dq = Σ_t partials, in fp32
+          and t order, written once in the input dtype.
           ``_mom_bwd_dkdv_kernel``, grid (E · slot chunks, H): each program owns a
           chunk of one block's slots and loops over all pair tiles of that block,
           accumulating dKᵀ, dVᵀ ``[hd, BLOCK_N]`` on chip (head dim as the MMA's M, so
@@ -152,7 +156,8 @@ def _mom_fwd_pairs_kernel(q_ptr, k_ptr, v_ptr, order_ptr, tile_ptr, part_o_ptr, 
             m = m_new
         out = orig[:, None] * D + col[None, :]
         # one reciprocal per row: a [BLOCK_M, BLOCK_D] IEEE division costs registers and stack
-        tl.store(part_o_ptr + out, acc * (1.0 / l)[:, None], mask=p_ok[:, None] & d_ok[None, :])
+        tl.store(part_o_ptr + out, (acc * (1.0 / l)[:, None]).to(part_o_ptr.dtype.element_ty),
+                 mask=p_ok[:, None] & d_ok[None, :])
         tl.store(part_lse_ptr + orig * H + h, m + tl.log2(l), mask=p_ok)
 
 
@@ -174,7 +179,7 @@ def _mom_merge_kernel(part_o_ptr, part_lse_ptr, lg_ptr, o_ptr, lse_ptr,
         c_old = tl.exp2(big_m - m_next)
         c_t = tl.exp2(a - m_next)
         big_l = big_l * c_old + c_t
-        acc = acc * c_old[:, None] + c_t[:, None] * _rows(part_o_ptr, pair, n_ok, col, d_ok, D)
+        acc = acc * c_old[:, None] + c_t[:, None] * _rows(part_o_ptr, pair, n_ok, col, d_ok, D).to(tl.float32)
         big_m = m_next
     tl.store(o_ptr + n[:, None] * D + col[None, :], (acc * (1.0 / big_l)[:, None]).to(o_ptr.dtype.element_ty),
              mask=n_ok[:, None] & d_ok[None, :])
@@ -209,10 +214,26 @@ def _mom_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, lse_ptr, lg_ptr, orde
             dq += tl.dot(ds.to(q.dtype), tl.trans(kt), input_precision=PRECISION)
             mass += tl.sum(p, axis=1)
             mdp += tl.sum(p * dp, axis=1)
-        tl.store(dq_part_ptr + orig[:, None] * D + col[None, :], dq * sm_scale, mask=p_ok[:, None] & d_ok[None, :])
+        tl.store(dq_part_ptr + orig[:, None] * D + col[None, :], (dq * sm_scale).to(dq_part_ptr.dtype.element_ty),
+                 mask=p_ok[:, None] & d_ok[None, :])
         wc = wc_ptr + (orig * H + h) * 2
         tl.store(wc, mass, mask=p_ok)
         tl.store(wc + 1, mdp, mask=p_ok)
+
+
+@triton.jit
+def _mom_dq_merge_kernel(dq_part_ptr, dq_ptr, N, H, HD, TK,
+                         BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dq = Σ_t dq_part[token, t] in fp32, in t order (deterministic), written once in
+    q's dtype."""
+    h, D, col, d_ok = _head_columns(H, HD, BLOCK_D)
+    n = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n_ok = n < N
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for t in range(0, TK):
+        acc += _rows(dq_part_ptr, n * TK + t, n_ok, col, d_ok, D).to(tl.float32)
+    tl.store(dq_ptr + n[:, None] * D + col[None, :], acc.to(dq_ptr.dtype.element_ty),
+             mask=n_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -371,7 +392,7 @@ def mom_read_fwd(q: torch.Tensor, k_bank: torch.Tensor, v_bank: torch.Tensor, to
     bd = block_d(hd)
     qk_scale, _ = _scales(hd)
     sched = pair_schedule(top_idx, num_blocks, t.block_m)
-    part_o = empty((B, S, tk, H, hd), dtype=torch.float32, device=q.device)
+    part_o = empty((B, S, tk, H, hd), dtype=q.dtype, device=q.device)
     part_lse = empty((B, S, tk, H), dtype=torch.float32, device=q.device)
     wrap_triton(_mom_fwd_pairs_kernel)[(sched.tiles.shape[0], H)](
         q, k_bank, v_bank, sched.order, sched.tiles, part_o, part_lse, H, hd, tk, block_size, qk_scale,
@@ -398,7 +419,7 @@ def _mom_read_bwd(do: torch.Tensor, q: torch.Tensor, k_bank: torch.Tensor, v_ban
     bd = block_d(hd)
     precision = dot_precision(q.dtype)
     sched = pair_schedule(top_idx, num_blocks, t.block_m)
-    dq_part = empty((B, S, tk, H, hd), dtype=torch.float32, device=q.device)
+    dq_part = empty((B, S, tk, H, hd), dtype=q.dtype, device=q.device)
     wc = empty((B, S, tk, H, 2), dtype=torch.float32, device=q.device)
     shift = empty((B * S * tk, H), dtype=torch.float32, device=q.device)
     delta = empty((B * S * tk, H), dtype=torch.float32, device=q.device)
@@ -416,7 +437,10 @@ def _mom_read_bwd(do: torch.Tensor, q: torch.Tensor, k_bank: torch.Tensor, v_ban
         BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n, BLOCK_D=bd, PRECISION=precision,
         num_warps=t.dkdv_warps, num_stages=t.stages,
     )
-    dq = dq_part.sum(2).to(q.dtype)
+    dq = empty(q.shape, dtype=q.dtype, device=q.device)
+    wrap_triton(_mom_dq_merge_kernel)[(triton.cdiv(B * S, t.merge_t), H)](
+        dq_part, dq, B * S, H, hd, tk, BLOCK_T=t.merge_t, BLOCK_D=bd, num_warps=4, num_stages=1,
+    )
     # dlg_t = Σ_{j∈t} P_j (dP_j − δ) = c_t − W_t·Σ_t' c_t' (δ = Σ_t' c_t', Σ_t' W_t' = 1)
     #       = Σ_t' (W_t' c_t − W_t c_t'),
     # the pairwise form: when one block holds almost all the mass (W_t ≈ 1, c_t ≈ δ)
@@ -530,20 +554,23 @@ def static_cases() -> Iterator[StaticCase]:
             expect = "HGMMA" if dtype != torch.float32 and bd in (64, 128) else ""
             for bn in _chunk_widths(t.block_n, dtype):
                 yield StaticCase("mom_fwd_pairs", _mom_fwd_pairs_kernel,
-                                 dict(q_ptr=p, k_ptr=p, v_ptr=p, order_ptr="*i32", tile_ptr="*i32", part_o_ptr="*fp32",
+                                 dict(q_ptr=p, k_ptr=p, v_ptr=p, order_ptr="*i32", tile_ptr="*i32", part_o_ptr=p,
                                       part_lse_ptr="*fp32", H="i32", HD="i32", TK="i32", BS="i32", qk_scale="fp32"),
                                  dict(BLOCK_M=t.block_m, BLOCK_N=bn, BLOCK_D=bd, PRECISION=prec),
                                  t.fwd_warps, t.stages, tags=tags, expect=expect)
                 yield StaticCase("mom_bwd_dq", _mom_bwd_dq_kernel,
                                  dict(q_ptr=p, k_ptr=p, v_ptr=p, o_ptr=p, do_ptr=p, lse_ptr="*fp32", lg_ptr="*fp32",
-                                      order_ptr="*i32", tile_ptr="*i32", dq_part_ptr="*fp32", wc_ptr="*fp32",
+                                      order_ptr="*i32", tile_ptr="*i32", dq_part_ptr=p, wc_ptr="*fp32",
                                       shift_ptr="*fp32", delta_ptr="*fp32",
                                       H="i32", HD="i32", TK="i32", BS="i32", qk_scale="fp32", sm_scale="fp32"),
                                  dict(BLOCK_M=t.block_m, BLOCK_N=bn, BLOCK_D=bd, PRECISION=prec),
                                  t.dq_warps, t.stages, tags=tags, expect=expect)
             yield StaticCase("mom_merge", _mom_merge_kernel,
-                             dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", lg_ptr="*fp32", o_ptr=p, lse_ptr="*fp32",
+                             dict(part_o_ptr=p, part_lse_ptr="*fp32", lg_ptr="*fp32", o_ptr=p, lse_ptr="*fp32",
                                   N="i32", H="i32", HD="i32", TK="i32"),
+                             dict(BLOCK_T=t.merge_t, BLOCK_D=bd), 4, 1, tags=tags)
+            yield StaticCase("mom_dq_merge", _mom_dq_merge_kernel,
+                             dict(dq_part_ptr=p, dq_ptr=p, N="i32", H="i32", HD="i32", TK="i32"),
                              dict(BLOCK_T=t.merge_t, BLOCK_D=bd), 4, 1, tags=tags)
             for bn in _chunk_widths(t.dkdv_n, dtype):
                 yield StaticCase("mom_bwd_dkdv", _mom_bwd_dkdv_kernel,

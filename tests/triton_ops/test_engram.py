@@ -1,4 +1,5 @@
 import contextlib
+import importlib
 
 import pytest
 import torch
@@ -16,7 +17,12 @@ from laminae.primitives.engram import (
     engram_lookup_reference,
 )
 from laminae.triton_ops.engram import (
+    BLOCK_C,
+    BLOCK_D,
+    BLOCK_M,
     BWD_TILES,
+    GROUP_HEADS,
+    HEADS_PER_LAUNCH,
     engram_bucket_ids_triton,
     engram_fusion,
     engram_fusion_gate,
@@ -26,7 +32,10 @@ from laminae.triton_ops.engram import (
 )
 
 from .._decoding import prefill_then_decode
-from .._helpers import DEVICE, assert_parity, scales, seeds
+from .._helpers import DEVICE, assert_matches_float64, assert_parity, scales, seeds
+
+
+engram_mod = importlib.import_module("laminae.triton_ops.engram")
 
 
 @contextlib.contextmanager
@@ -125,6 +134,66 @@ def test_lookup_with_many_collisions_and_hot_buckets(block_e):
     inp = _lookup_inputs(2, 10, 2, 3, 1, 8, 33, 2, False, 1.0, 5)
     with bwd_chunk(block_e):
         assert_parity(engram_lookup, engram_lookup_reference, inp, ["tables"])
+
+
+def _expected_ids(inp):
+    prefix_len = inp["prefix"].shape[1] if "prefix" in inp else 0
+    full = inp["compressed"] if not prefix_len else torch.cat([inp["prefix"], inp["compressed"]], 1)
+    keep = inp.get("attention_mask")
+    if keep is not None and prefix_len:
+        keep = torch.cat([inp["prefix_mask"], keep], 1)
+    return engram_bucket_ids(full, inp["hash_projs"], inp["bit_weights"], inp["tables"].shape[1],
+                             legacy_trunc=inp["legacy_trunc"], attention_mask=keep)[:, prefix_len:]
+
+
+LOOKUP_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                 (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
+
+
+# Every lookup launch the CUDA path picks, in its own dtypes against the float64 truth:
+# 1, 2, 3 and 5 heads are one launch of BLOCK_H 1, 2, 4 and 8; 9 heads are three
+# launches of 4 (first, middle, last) through the fp32 scratch, run for every dtype pair
+# with the sign hash (the first/middle/last variants differ only in the gather phase,
+# which the hash does not touch) and for fp32 with the legacy hash. Rows span a full
+# BLOCK_M tile and a ragged second, compress_dim a full BLOCK_C chunk and a ragged
+# second, out_dim a full BLOCK_D chunk and a ragged second; a prefix and left padding
+# are read.
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("dtypes", LOOKUP_DTYPES, ids=str)
+def test_every_lookup_launch_matches_float64(dtypes, legacy):
+    dtype, table_dtype = dtypes
+    assert (HEADS_PER_LAUNCH, GROUP_HEADS) == (8, 4)
+    ids = {}
+    multi = not legacy or dtypes == LOOKUP_DTYPES[0]
+
+    def lookup(**kw):
+        out, ids["got"] = engram_lookup_fused(*engram_mod._prepare_lookup(
+            kw["compressed"], kw["hash_projs"], kw["bit_weights"], kw["tables"], kw["prefix"], kw["legacy_trunc"],
+            kw["attention_mask"], kw["prefix_mask"]), legacy)
+        return out
+
+    for heads in (1, 2, 3, 5, 9)[:5 if multi else 4]:
+        inp = _lookup_inputs(1, BLOCK_M + 3, heads, 2, 29, BLOCK_C + 5, BLOCK_D + 6, 1, legacy, 1.0,
+                             heads, dtype=dtype, table_dtype=table_dtype, padding="left")
+        assert_matches_float64(lookup, engram_lookup_reference, inp, [], dtype=dtype)
+        assert torch.equal(ids["got"].view(1, BLOCK_M + 3, 2, heads), _expected_ids(inp)), heads
+
+
+def test_legacy_hash_truncates_to_int64_like_the_reference():
+    """|a| between 2^31 and 2^40: truncated to int32 it saturates (GPU) or wraps (CPU)
+    and picks another bucket than the reference's int64 truncation. One nonzero
+    coordinate per position makes every hash product a single rounding, so the
+    kernel's and the reference's |a| agree bit for bit even where the fp32 spacing
+    exceeds 1."""
+    inp = _lookup_inputs(1, 9, 2, 3, 1009, 16, 8, 0, True, 1.0, 3)
+    gen = torch.Generator().manual_seed(4)
+    big = torch.zeros(1, 9, 16)
+    big[0, torch.arange(9), torch.randint(0, 16, (9,), generator=gen)] = 2.0**37 * (1 + torch.rand(9, generator=gen))
+    inp["compressed"] = big.to(DEVICE)
+    a = torch.einsum("bsc,hc->bsh", big.double(), inp["hash_projs"][0].double().cpu()).abs()
+    assert (a > 2**31).sum() > 9 and (a < 2**40).all()
+    assert torch.equal(engram_bucket_ids_triton(**inp), _expected_ids(inp))
+    assert_parity(engram_lookup, engram_lookup_reference, inp, ["tables"])
 
 
 def test_lookup_accepts_a_list_of_tables_and_long_rows():

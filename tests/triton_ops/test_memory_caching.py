@@ -8,7 +8,7 @@ from laminae.primitives import BackendUnavailableError, ConfigError, DTypeError
 from laminae.primitives.memory_caching import MemoryCacheBranch, memory_caching_reference
 from laminae.triton_ops.memory_caching import memory_caching, memory_caching_core, segment_gates
 
-from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
+from .._helpers import DEVICE, FLOAT64_REL_RMSE, assert_parity, keep_mask, scales, seeds
 
 mc = importlib.import_module("laminae.triton_ops.memory_caching")  # the kernel file, not the function
 
@@ -80,10 +80,13 @@ def test_static_cases_cover_every_launch_configuration():
     """The static sm_90 check compiles every (BLOCK_L, BLOCK_Q, BLOCK_D, BLOCK_E, BLOCK_R,
     warps, stages) the launcher picks, for each kind of input; the aligned 16-bit
     kernels at head_dim 64/128 promise HGMMA with the alignment their launch has."""
-    listed = {}
+    listed, mem_listed = {}, {}
     for c in mc.static_cases():
         key = (c.tags["kind"], c.tags["dtype"], c.constexprs["BLOCK_D"])
-        listed.setdefault(key, {"warps": c.num_warps, "stages": c.num_stages}).update(c.constexprs)
+        if c.name == "mc_mem":
+            mem_listed[key] = (c.constexprs["BLOCK_T"], c.num_warps, c.num_stages)
+        else:
+            listed.setdefault(key, {"warps": c.num_warps, "stages": c.num_stages}).update(c.constexprs)
         wide = c.tags["kind"] == "16bit"
         assert c.expect == ("HGMMA" if wide and c.constexprs["BLOCK_D"] >= 64 else "")
         assert bool(c.divisible) == wide and set(c.divisible) <= set(c.signature)
@@ -96,10 +99,44 @@ def test_static_cases_cover_every_launch_configuration():
                 got = listed[(kind, dt, block_d)]
                 assert (got["BLOCK_L"], got["BLOCK_Q"], got["BLOCK_E"], got["BLOCK_R"], got["warps"],
                         got["stages"]) == (block_l, block_q, block_e, block_r, warps, stages)
+                block_t, _, mem_warps = mc._mem_config(kind, D)
+                assert mem_listed[(kind, dt, block_d)] == (block_t, mem_warps, 2)
     kernels = {c.name for c in mc.static_cases()}
-    assert kernels == {"mc_fwd", "mc_bwd_q", "mc_bwd_mem", "mc_bwd_kv"}
+    assert kernels == {"mc_mem", "mc_fwd", "mc_bwd_q", "mc_bwd_mem", "mc_bwd_kv"}
     assert all(mc.supports_tile(L, D) for L in (1, 64, 128, 256, 1000) for D in (1, 32, 64, 128))
     assert not mc.supports_tile(64, 129)
+
+
+# Every memory-building launch (_mc_mem_kernel) the CUDA path picks, in its own dtype,
+# against the float64 truth, through _segment_memories as the op calls it: segments of
+# two BLOCK_T steps and a ragged third, two full segments and a ragged last one, held-out
+# tokens whose contents are NaN; the aligned kind at D = BLOCK_D, the unaligned and
+# fp32 kinds at a ragged D.
+@pytest.mark.parametrize("kind, dtype", [("fp32", torch.float32), ("16bit", torch.bfloat16),
+                                         ("16bit", torch.float16), ("16bit-unaligned", torch.bfloat16),
+                                         ("16bit-unaligned", torch.float16)])
+def test_segment_memories_every_launch_matches_float64(kind, dtype):
+    gen = torch.Generator().manual_seed(3)
+    for block_d in mc.MEM_CONFIGS[kind]:
+        D = block_d if kind == "16bit" else block_d - 5
+        L = 2 * mc.MEM_CONFIGS[kind][block_d][0] + 3
+        B, S, H = 1, 2 * L + 7, 2
+        k, v = (torch.randn(B, S, H, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+        keep = (torch.rand(B, S, generator=gen) > 0.2).float().to(DEVICE)
+        k[keep == 0], v[keep == 0] = float("nan"), float("nan")
+        assert mc._kind(k, v) == kind
+        mem, mz = mc._segment_memories(k, v, keep, L)
+        kept = keep[..., None, None] > 0
+        phk = torch.where(kept, torch.nn.functional.elu(k.double()) + 1, 0.0)
+        vs = torch.where(kept, v.double(), 0.0)
+        N = -(-S // L)
+        pad = N * L - S
+        phk = torch.nn.functional.pad(phk, (0, 0, 0, 0, 0, pad)).reshape(B, N, L, H, D)
+        vs = torch.nn.functional.pad(vs, (0, 0, 0, 0, 0, pad)).reshape(B, N, L, H, D)
+        truth = (torch.einsum("bnlhd,bnlhe->bhnde", phk, vs), phk.sum(2).permute(0, 2, 1, 3))
+        for got, want, bound in ((mem, truth[0], FLOAT64_REL_RMSE[dtype]), (mz, truth[1], FLOAT64_REL_RMSE[torch.float32])):
+            rel = ((got.double() - want).norm() / want.norm()).item()
+            assert rel <= bound, (block_d, got.dtype, rel, bound)
 
 
 def test_launch_kind_follows_dtype_head_dim_and_alignment():

@@ -11,7 +11,7 @@ from laminae.primitives.mom_read import MoMRead, collect_mom_aux_loss, mom_read_
 from laminae.triton_ops._parity import parity
 from laminae.triton_ops.mom_read import MoMTiles, mom_read, mom_read_fwd, pair_schedule, tour_case
 
-from .._helpers import DEVICE, assert_parity, scales, seeds
+from .._helpers import DEVICE, assert_matches_float64, assert_parity, scales, seeds
 
 mom_mod = importlib.import_module("laminae.triton_ops.mom_read")  # the kernel file, not the function
 
@@ -117,6 +117,22 @@ def test_fp16_with_the_gpu_tiles():
     assert mom_mod.tiles(64, torch.float16) == MoMTiles(64, 64, 4, 4, 64, 64, 8, 16)
     inp = _inputs(2, 40, 1, 64, 2, 70, 2, 1.0, 12, dtype=torch.float16)
     assert_parity(mom_read, mom_read_reference, inp, GRADS, dtype=torch.float16)
+
+
+# Every tile row the CUDA path launches, in its own dtype against the float64 truth,
+# through ``tiles``/``fit_chunks`` as the op calls them: 130 tokens, each reading both
+# blocks, give 130 pairs per block (two 64-pair tiles and a ragged third) and three
+# merge tiles; the block spans two slot chunks and a ragged third; the head dim is
+# ragged inside its padded width. The pair and dq partials are stored in the input
+# dtype and merged in fp32.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hd", [8, 24, 56, 120])
+def test_every_launch_tile_row_matches_float64(dtype, hd):
+    t = mom_mod.fit_chunks(mom_mod.tiles(hd, dtype), 10**6, dtype)
+    tokens = 2 * max(t.block_m, t.dkdv_m, t.merge_t) + 2
+    bs = 2 * max(t.block_n, t.dkdv_n) + 3
+    inp = _inputs(1, tokens, 2, hd, 2, bs, 2, 1.0, 13, dtype=dtype)
+    assert_matches_float64(mom_read, mom_read_reference, inp, GRADS, dtype=dtype)
 
 
 def test_single_token_reads_one_pair_per_block():
