@@ -63,3 +63,57 @@ def _seed_and_nan_fill():
 @pytest.fixture
 def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+# ----------------------------------------------------------------------------
+# --launch-coverage: every configuration the CUDA path can launch runs here
+# ----------------------------------------------------------------------------
+
+
+def pytest_addoption(parser):
+    parser.addoption("--launch-coverage", action="store_true",
+                     help="record every interpreted kernel launch and fail the session when a launch "
+                          "configuration of a kernel's static_cases() never ran (tests/_launch_coverage.py)")
+
+
+def pytest_configure(config):
+    if not config.getoption("launch_coverage") or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import tempfile
+
+    from . import _launch_coverage
+
+    if not hasattr(config, "workerinput"):  # the controller: its pytest-xdist workers inherit the folder
+        os.environ["LAMINAE_LAUNCH_DIR"] = tempfile.mkdtemp(prefix="laminae-launches-")
+    _launch_coverage.install()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from . import _launch_coverage
+
+    folder = _launch_coverage.directory()
+    if folder is None or not session.config.getoption("launch_coverage"):
+        return
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
+    _launch_coverage.write(folder, worker)
+    if worker != "main":
+        return
+    lines, failures = _launch_coverage.summary(_launch_coverage.coverage(_launch_coverage.read(folder)))
+    session.config._launch_coverage = (lines, failures)
+    if failures and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    report = getattr(config, "_launch_coverage", None)
+    if report is None:
+        return
+    lines, failures = report
+    terminalreporter.section("launch configurations (kernel, dtype, tile constexprs)")
+    for line in lines:
+        terminalreporter.write_line(line)
+    if failures:
+        terminalreporter.write_line(f"FAILED: {len(failures)} configurations the CUDA path can launch never ran "
+                                    "under the interpreter:", red=True)
+        for line in failures:
+            terminalreporter.write_line("  " + line)
