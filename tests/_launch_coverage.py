@@ -31,7 +31,7 @@ WIDTHS = {
     "hrm_refinement": {"BLOCK_D", "BLOCK"},
     "xsa": {"BLOCK_R", "BLOCK_G", "BLOCK_D"},      # rows x group x head dim of one register tile
     "stack_memory": {"BLOCK_R", "BLOCK_S", "BLOCK_D", "BLOCK_W"},
-    "laurel": {"BLOCK_R", "BLOCK_D"},
+    "laurel": {"BLOCK_D"},
     "lucid_attention": {"BLOCK_D"},
 }
 
