@@ -35,11 +35,17 @@ WIDTHS = {
     "lucid_attention": {"BLOCK_D"},
 }
 
-# Mechanisms whose kernels are being rebuilt: their configurations change with the
-# rebuild, and the rebuilt kernels' own tests run every configuration they declare.
-# Listed whole so the rebuilt static cases are judged once they land without this list.
-REBUILDING = {"mosrah", "mom_read", "engram", "memory_caching", "affine_scaled_attention", "elo_attention",
-              "derf"}
+# Configurations of the mechanisms whose kernels are being rebuilt that no test ran when
+# this check was written (one "stem: configuration" a line): the rebuilt kernels' own
+# tests run every configuration they declare, and a configuration not on the list fails.
+ALLOWLIST = Path(__file__).with_name("launch_coverage_allowlist.txt")
+
+
+def allowed() -> set[str]:
+    if not ALLOWLIST.exists():
+        return set()
+    return {line.strip() for line in ALLOWLIST.read_text().splitlines() if line.strip() and not line.startswith("#")}
+
 
 _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "bool": "i1", "int8": "i8", "uint8": "u8",
            "int16": "i16", "int32": "i32", "int64": "i64"}
@@ -149,14 +155,15 @@ def coverage(launches: list, stems=None) -> dict:
     return out
 
 
-def summary(cov: dict) -> tuple[list[str], list[str]]:
+def summary(cov: dict, allow: set[str] | None = None) -> tuple[list[str], list[str]]:
     """(one line per stem, the configurations that fail the session)."""
+    allow = allowed() if allow is None else allow
     lines, failures = [], []
     for stem, (done, total, missing) in cov.items():
-        note = " (being rebuilt: its own tests cover it)" if stem in REBUILDING else ""
+        listed = [m for m in missing if f"{stem}: {m}" in allow]
+        note = f" ({len(listed)} more allowed while its kernels are rebuilt)" if listed else ""
         lines.append(f"{stem:26s} {done:4d} / {total:4d} launch configurations executed{note}")
-        if stem not in REBUILDING:
-            failures += [f"{stem}: {m}" for m in missing]
+        failures += [f"{stem}: {m}" for m in missing if f"{stem}: {m}" not in allow]
     return lines, failures
 
 

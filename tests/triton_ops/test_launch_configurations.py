@@ -217,3 +217,60 @@ def test_siamese_norm_every_configuration_against_float64(dtype, label, flags, d
     inp["return_h"] = flags["STORE_H"]
     grads = [k for k, v in inp.items() if isinstance(v, torch.Tensor)]
     _check(siamese_boundary, siamese_boundary_reference, inp, grads, _DTYPES[dtype])
+
+
+# ----------------------------------------------------------------------------
+# LUCID: every tile row without a mask and with a unit diagonal, and decoding unmasked
+# (test_lucid_attention.py::test_every_launch_configuration_against_float64 runs each
+# tile row masked, computed diagonal)
+# ----------------------------------------------------------------------------
+
+def _lucid_runs():
+    from laminae.triton_ops.lucid_attention import static_cases
+
+    return sorted({(c.tags["dtype"], c.constexprs["BLOCK_D"], c.constexprs["HAS_MASK"], c.constexprs["UNIT_DIAG"])
+                   for c in static_cases() if c.name == "lucid_prep"
+                   and not (c.constexprs["HAS_MASK"] and not c.constexprs["UNIT_DIAG"])})
+
+
+LUCID_RUNS = _lucid_runs()
+
+
+@pytest.mark.parametrize("dtype, bd, masked, unit", LUCID_RUNS, ids=_ids(LUCID_RUNS))
+def test_lucid_every_mask_and_diagonal_against_float64(dtype, bd, masked, unit):
+    import contextlib
+    import importlib
+
+    from laminae.primitives.lucid_attention import lucid_extend, lucid_key_norm, lucid_precondition_reference
+    from laminae.triton_ops.lucid_attention import lucid_precondition, lucid_precondition_extend
+
+    from .test_lucid_attention import FLOAT64_TOLERANCE, _inputs, assert_float64_truth, gpu_tf32
+
+    lucid_ops = importlib.import_module("laminae.triton_ops.lucid_attention")
+    dtype = _DTYPES[dtype]
+    t = lucid_ops.tiles(bd, dtype)
+    n = t.block + 7   # two key blocks, the last ragged
+    inp = _inputs(1, 1, n, 2, 2, bd, masked, 1.0, bd, dtype, correlated=0.3)
+    del inp["q"]
+
+    def op(**kw):
+        return lucid_precondition(**kw, unit_diagonal=unit)
+
+    def reference(**kw):
+        return lucid_precondition_reference(**kw, unit_diagonal=unit)
+
+    with gpu_tf32() if dtype != torch.float32 else contextlib.nullcontext():
+        assert_float64_truth(op, reference, inp, ["k", "v"], dtype)
+        if masked or unit:
+            return
+        keys, values = inp["k"], inp["v"]
+        v_prime = lucid_precondition_reference(keys.double(), values.double())
+        ones = torch.ones(keys.shape[:2], dtype=torch.bool, device=DEVICE)
+        k_hat = lucid_key_norm(keys.double())
+        for new in (1, lucid_ops.DECODE_ROWS + 3):   # the 16-row cache panel, then block-row panels
+            c = n - new
+            got = lucid_precondition_extend(keys[:, :c], v_prime[:, :c].float(), keys[:, c:], values[:, c:])
+            want = lucid_extend(k_hat[:, :c], v_prime[:, :c], ones[:, :c], k_hat[:, c:], values[:, c:].double(),
+                                ones[:, c:])
+            err = float(torch.linalg.vector_norm(got.double() - want) / torch.linalg.vector_norm(want))
+            assert err <= FLOAT64_TOLERANCE[dtype][0], f"decoding {new} keys after {c}: rel RMSE {err:.2e}"
