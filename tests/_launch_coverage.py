@@ -7,8 +7,9 @@ records every interpreted launch and fails the session when a configuration is n
 executed. A configuration is (kernel, dtype of its floating-point pointers, its
 constexprs) with two kinds of constexpr left out:
 
-- widths (``WIDTHS``): the power of two a kernel rounds a whole problem dimension
-  up to and holds in one block; any width runs the same operations, masked;
+- widths (``WIDTHS``): block sizes that follow from the problem's dimensions (the
+  power of two a whole row, head dim or group is held in, and the rows that fill a
+  fixed-size register tile with it); any width runs the same operations, masked;
 - ``num_warps``/``num_stages``: the interpreter runs a program as one thread.
 
 Each process writes what it launched to ``$LAMINAE_LAUNCH_DIR`` (one file per
@@ -25,13 +26,12 @@ from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[1]
 
-# Constexprs that only size a block holding a whole dimension (see the module docstring).
+# Constexprs that only size a block from the problem's dimensions (see the module docstring).
 WIDTHS = {
     "siamese_norm": {"BLOCK_D", "BLOCK_C"},
     "hrm_refinement": {"BLOCK_D", "BLOCK"},
     "xsa": {"BLOCK_R", "BLOCK_G", "BLOCK_D"},      # rows x group x head dim of one register tile
-    "stack_memory": {"BLOCK_R", "BLOCK_S", "BLOCK_D", "BLOCK_W"},
-    "laurel": {"BLOCK_D"},
+    "stack_memory": {"BLOCK_R", "BLOCK_S", "BLOCK_D", "BLOCK_W"},  # slots x head width (+1), rows to fill it
     "lucid_attention": {"BLOCK_D"},
 }
 
