@@ -5,9 +5,12 @@ HYPOTHESIS_PROFILE ?= ci
 # pytest workers (pytest-xdist): one per core, each single-threaded (BLAS and torch
 # thread pools would otherwise compete for the same cores); JOBS=0 runs in one process
 JOBS ?= auto
+# fails `make test` when a launch configuration of a kernel never runs (tests/_launch_coverage.py);
+# LAUNCH_COVERAGE= turns it off for a partial run (PYTEST_ARGS="-k ...")
+LAUNCH_COVERAGE ?= --launch-coverage
 ONE_THREAD := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 
-.PHONY: setup tour test test-gpu bench report static clean
+.PHONY: setup tour test test-gpu thorough bench report static clean
 
 setup:
 	@scripts/setup.sh
@@ -16,7 +19,16 @@ tour: setup
 	$(PY) -m laminae.triton_ops.tour
 
 test: setup
-	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(ONE_THREAD) $(PY) -m pytest -q -n $(JOBS) --dist worksteal $(PYTEST_ARGS) tests
+	HYPOTHESIS_PROFILE=$(HYPOTHESIS_PROFILE) $(ONE_THREAD) $(PY) -m pytest -q -n $(JOBS) --dist worksteal $(LAUNCH_COVERAGE) $(PYTEST_ARGS) tests
+
+# Every kernel property (the tests hypothesis drives) at 1,000 examples, one mechanism
+# at a time: hours on the interpreter in all, so outside CI and in parts
+# (`make thorough STEMS="laurel xsa"`); a mechanism with no property is skipped.
+thorough: setup
+	@fail=0; for s in $(or $(STEMS),$(shell $(PY) -c "from laminae.triton_ops.tour import MECHANISMS; print(*MECHANISMS)")); do \
+	  echo "== $$s"; HYPOTHESIS_PROFILE=thorough $(ONE_THREAD) $(PY) -m pytest -q -n $(JOBS) -m hypothesis \
+	    $(PYTEST_ARGS) tests/triton_ops/test_$$s.py; rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || fail=1; \
+	done; exit $$fail
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu tests

@@ -18,10 +18,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 import pytest  # noqa: E402
-from hypothesis import HealthCheck, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, settings  # noqa: E402
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-settings.register_profile("ci", max_examples=12, derandomize=True, print_blob=True, **_common)
+# CI stops at the first failing example: generation finds a bug, and shrinking it through the
+# interpreter cost minutes per failure (print_blob replays it); dev and thorough runs shrink.
+CI_PHASES = tuple(p for p in Phase if p is not Phase.shrink)
+settings.register_profile("ci", max_examples=12, derandomize=True, print_blob=True, phases=CI_PHASES, **_common)
 settings.register_profile("dev", max_examples=25, **_common)
 settings.register_profile("thorough", max_examples=1000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -60,3 +63,57 @@ def _seed_and_nan_fill():
 @pytest.fixture
 def device():
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+# ----------------------------------------------------------------------------
+# --launch-coverage: every configuration the CUDA path can launch runs here
+# ----------------------------------------------------------------------------
+
+
+def pytest_addoption(parser):
+    parser.addoption("--launch-coverage", action="store_true",
+                     help="record every interpreted kernel launch and fail the session when a launch "
+                          "configuration of a kernel's static_cases() never ran (tests/_launch_coverage.py)")
+
+
+def pytest_configure(config):
+    if not config.getoption("launch_coverage") or os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    import tempfile
+
+    from . import _launch_coverage
+
+    if not hasattr(config, "workerinput"):  # the controller: its pytest-xdist workers inherit the folder
+        os.environ["LAMINAE_LAUNCH_DIR"] = tempfile.mkdtemp(prefix="laminae-launches-")
+    _launch_coverage.install()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from . import _launch_coverage
+
+    folder = _launch_coverage.directory()
+    if folder is None or not session.config.getoption("launch_coverage"):
+        return
+    worker = getattr(session.config, "workerinput", {}).get("workerid", "main")
+    _launch_coverage.write(folder, worker)
+    if worker != "main":
+        return
+    lines, failures = _launch_coverage.summary(_launch_coverage.coverage(_launch_coverage.read(folder)))
+    session.config._launch_coverage = (lines, failures)
+    if failures and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    report = getattr(config, "_launch_coverage", None)
+    if report is None:
+        return
+    lines, failures = report
+    terminalreporter.section("launch configurations (kernel, dtype, tile constexprs)")
+    for line in lines:
+        terminalreporter.write_line(line)
+    if failures:
+        terminalreporter.write_line(f"FAILED: {len(failures)} configurations the CUDA path can launch never ran "
+                                    "under the interpreter:", red=True)
+        for line in failures:
+            terminalreporter.write_line("  " + line)

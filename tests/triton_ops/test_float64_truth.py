@@ -17,19 +17,35 @@ from .._helpers import DEVICE
 def _cases():
     for stem in MECHANISMS:
         cases = importlib.import_module(f"laminae.triton_ops.{stem}").tour_case(DEVICE)
-        yield from cases if isinstance(cases, (list, tuple)) else [cases]
+        yield from ((stem, case) for case in (cases if isinstance(cases, (list, tuple)) else [cases]))
 
 
-CASES = [(case, (torch.bfloat16, torch.float16)[i % 2]) for i, case in enumerate(_cases())]
+def _case_id(stem: str, case, dtype: torch.dtype) -> str:
+    # the stem is in every id, so `-k <stem>` selects the mechanism's cases
+    head = case.name.split(" (")[0].replace(" ", "_")
+    return f"{head if head.startswith(stem) else f'{stem}-{head}'}-{str(dtype)[6:]}"
 
 
-@pytest.mark.parametrize("case, dtype", CASES,
-                         ids=[f"{c.name.split(' (')[0]}-{str(d)[6:]}" for c, d in CASES])
+STEMMED = [(stem, case, (torch.bfloat16, torch.float16)[i % 2]) for i, (stem, case) in enumerate(_cases())]
+CASES = [(case, dtype) for _, case, dtype in STEMMED]
+
+
+@pytest.mark.parametrize("case, dtype", CASES, ids=[_case_id(*c) for c in STEMMED])
 def test_public_testing_api_on_every_kernel(case, dtype):
     result = parity_float64(case.op, case.reference, case.inputs, case.grad_names)
     assert result.ok, result.report()
     low = assert_parity(case.op, case.reference, _cast(case.inputs, dtype), case.grad_names, dtype=dtype)
     assert isinstance(low, ParityResult) and [c.name for c in low.grads] == [f"d{n}" for n in case.grad_names]
+
+
+def test_every_case_id_names_its_mechanism():
+    """`pytest -k <stem>` selects the mechanism's float64 check (a name with spaces did not)."""
+    from laminae.triton_ops.tour import MECHANISMS
+
+    for stem in MECHANISMS:
+        assert [c for s, c, _ in STEMMED if s == stem]
+        selected = {s for s, c, d in STEMMED if stem in _case_id(s, c, d)}
+        assert stem in selected, stem
 
 
 def test_uniform_scale_error_is_caught():

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from laminae.primitives import ConfigError, DTypeError
@@ -8,7 +8,7 @@ from laminae.primitives.siamese_norm import siamese_boundary_reference
 from laminae.triton_ops import siamese_norm as kernels
 from laminae.triton_ops.siamese_norm import siamese_boundary, siamese_boundary_fused
 
-from .._helpers import DEVICE, assert_parity, scales, seeds
+from .._helpers import DEVICE, assert_matches_float64, assert_parity, scales, seeds
 from ..primitives.test_siamese_norm import two_layer_stack
 
 OUTPUTS = ("x_new", "y_new", "h")
@@ -83,11 +83,18 @@ def check(inp, dtype=None):
     scale=scales,
     seed=seeds,
 )
+# drawn by the 1,000-example profile: at D = 1 two RMS norms in a row leave dx a difference
+# of terms equal to 1 − 1e-6 (relative RMSE 1.2e-2 from float64, the fp32 reference 8.9e-3)
+@example(rows=5, d=1, update=False, x_mode="postnorm", y_norm=False, in_norm=True, outputs=(False, True),
+         c_inv=1.0, scale=0.01, seed=1)
 def test_kernel_matches_reference_fp32(rows, d, update, x_mode, y_norm, in_norm, outputs, c_inv, scale, seed):
     return_streams, return_h = outputs
     inp = _inputs(rows, d, update=update, x_mode=x_mode, y_norm=y_norm, in_norm=in_norm, c_inv=c_inv,
                   return_streams=return_streams, return_h=return_h, scale=scale, seed=seed)
-    check(inp)
+    # against float64, tensor by tensor: where a gradient cancels (a nearly one-hot row)
+    # no fp32 computation holds a fixed bound, so the kernel may be as far from the truth
+    # as four times the fp32 reference there (outputs stay element-wise)
+    assert_matches_float64(siamese_boundary, siamese_boundary_reference, inp, _grad_names(inp), conditioning=4)
 
 
 # The four boundaries a model runs, by name.
