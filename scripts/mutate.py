@@ -266,7 +266,12 @@ def try_mutant(repo: pathlib.Path, plan: Plan, mutant: Mutant, timeout: float | 
         return Outcome(mutant.id, status, summary_line(output), seconds, asdict(mutant))
     if rc == 5:
         raise SystemExit(f"{mutant.id}: the selection collected no tests\n{output[-3000:]}")
-    detail = "timed out" if rc == "timeout" else first_failure(output) if rc == 1 else f"exit {rc}: " + summary_line(output)
+    if rc == "timeout":
+        detail = "timed out"
+    elif rc < 0:
+        detail = f"crashed (signal {-rc})"
+    else:
+        detail = first_failure(output) if rc == 1 else f"exit {rc}: " + summary_line(output)
     return Outcome(mutant.id, "caught", detail, seconds, asdict(mutant))
 
 
