@@ -10,7 +10,7 @@ JOBS ?= auto
 LAUNCH_COVERAGE ?= --launch-coverage
 ONE_THREAD := OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 
-.PHONY: setup tour test test-gpu thorough bench report static clean
+.PHONY: setup tour test test-gpu thorough bench report static mutate clean
 
 setup:
 	@scripts/setup.sh
@@ -47,6 +47,14 @@ report: setup
 static: setup
 	env -u TRITON_INTERPRET $(PY) -m bench.static_sm90 --write $(STEMS)
 	$(PY) bench/report.py --update-docs docs/benchmarks.md
+
+# Plant each bug of scripts/mutants/<stem>.toml in a scratch copy, one at a time, and
+# run the stem's tests (`make mutate STEM=laurel`, STEM="laurel xsa"; MUTATE_JOBS
+# mutants at once, each in its own copy). Fails when a mutant survives unargued or
+# its text is no longer in the file.
+MUTATE_JOBS ?= 1
+mutate: setup
+	$(ONE_THREAD) $(PY) scripts/mutate.py $(STEM) --jobs $(MUTATE_JOBS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .benchmarks

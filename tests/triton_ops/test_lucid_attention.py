@@ -192,6 +192,21 @@ def test_every_launch_configuration_against_float64(config):
             assert err <= FLOAT64_TOLERANCE[dtype][0], f"decoding {T} keys after {C}: rel RMSE {err:.2e}"
 
 
+def test_decoding_reads_each_cache_at_its_own_batch_stride():
+    """The cached keys may be a view of a roomier cache (a longer batch stride) while V′
+    is a copy: each is read at its own batch stride."""
+    N, T = 40, 3
+    C = N - T
+    inp = _inputs(2, 6, N, 2, 1, 16, True, 1.0, 16)
+    keys, values, keep = inp["k"], inp["v"], inp["attention_mask"]
+    v_prime = lucid_precondition_reference(keys.double(), values.double(), keep)[:, :C].float().contiguous()
+    roomy = torch.zeros(2, C + 9, *keys.shape[2:], device=DEVICE)
+    roomy[:, :C] = keys[:, :C]
+    args = (keys[:, C:], values[:, C:], keep[:, :C], keep[:, C:])
+    want = lucid_precondition_extend(keys[:, :C].contiguous(), v_prime, *args)
+    torch.testing.assert_close(lucid_precondition_extend(roomy[:, :C], v_prime, *args), want)
+
+
 def test_static_cases_are_the_tested_configurations():
     """Every (dtype, padded head dim) the static sm_90 cases compile is one the test
     above runs, and every tile row of ``tiles()`` has static cases."""
