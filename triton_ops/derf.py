@@ -871,22 +871,14 @@ def static_cases() -> Iterator[StaticCase]:
 def tour_case(device: torch.device):
     from laminae.primitives.derf import derf_attention_reference, derf_context_gate_reference
 
-    from .tour import TourCase
+    from .tour import TourCase, attention_inputs
 
     gen = torch.Generator().manual_seed(0)
     B, S, H, kv_heads, D = 2, 64, 4, 2, 32
-    keep = torch.ones(B, S, dtype=torch.bool)
-    keep[1, :9] = False          # left padding on the second row
-    keep[0, 50:53] = False       # and a hole in the first
-    attn = {
-        "q": torch.randn(B, S, H, D, generator=gen).to(device),
-        "k": torch.randn(B, S, kv_heads, D, generator=gen).to(device),
-        "v": torch.randn(B, S, kv_heads, D, generator=gen).to(device),
-        "derf_alpha": (1.0 + 0.5 * torch.randn(H, generator=gen)).to(device),
-        "derf_bias": (0.3 * torch.randn(H, generator=gen)).to(device),
-        "derf_gamma": (1.0 + 0.2 * torch.randn(H, generator=gen)).to(device),
-        "attention_mask": keep.to(device),
-    }
+    attn = attention_inputs(device, gen, B, S, H, kv_heads, D)
+    attn.update(derf_alpha=(1.0 + 0.5 * torch.randn(H, generator=gen)).to(device),
+                derf_bias=(0.3 * torch.randn(H, generator=gen)).to(device),
+                derf_gamma=(1.0 + 0.2 * torch.randn(H, generator=gen)).to(device))
     rows, feats = 2 * 64, 256
     gate = {
         "retrieved": torch.randn(rows, feats, generator=gen).to(device),

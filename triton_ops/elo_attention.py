@@ -732,21 +732,13 @@ def static_cases() -> Iterator[StaticCase]:
 def tour_case(device: torch.device):
     from laminae.primitives.elo_attention import elo_attention_reference
 
-    from .tour import TourCase
+    from .tour import TourCase, attention_inputs
 
     gen = torch.Generator().manual_seed(0)
     B, S, H, kv_heads, D = 2, 64, 4, 2, 32
-    keep = torch.ones(B, S, dtype=torch.bool)
-    keep[1, :9] = False          # left padding on the second row
-    keep[0, 50:53] = False       # and a hole in the first
-    inputs = {
-        "q": torch.randn(B, S, H, D, generator=gen).to(device),
-        "k": torch.randn(B, S, kv_heads, D, generator=gen).to(device),
-        "v": torch.randn(B, S, kv_heads, D, generator=gen).to(device),
-        "elo_log_k": (0.5 * torch.randn(H, generator=gen)).to(device),
-        "elo_gain": (0.6 * torch.randn(H, generator=gen)).to(device),
-        "prior_rating": torch.randn(B, H, S, generator=gen).to(device),
-        "attention_mask": keep.to(device),
-    }
+    inputs = attention_inputs(device, gen, B, S, H, kv_heads, D)
+    inputs.update(elo_log_k=(0.5 * torch.randn(H, generator=gen)).to(device),
+                  elo_gain=(0.6 * torch.randn(H, generator=gen)).to(device),
+                  prior_rating=torch.randn(B, H, S, generator=gen).to(device))
     return TourCase(f"elo attention (B={B}, S=N={S}, H={H}/{kv_heads}, D={D}, ragged mask, prior)",
                     elo_attention, elo_attention_reference, inputs, [n for n in inputs if n != "attention_mask"])

@@ -899,18 +899,8 @@ def static_cases() -> Iterator[StaticCase]:
 def tour_case(device: torch.device):
     from laminae.primitives.lucid_attention import lucid_attention_reference
 
-    from .tour import TourCase
+    from .tour import TourCase, attention_inputs
 
-    gen = torch.Generator().manual_seed(0)
-    B, S, H, HKV, D = 2, 64, 4, 2, 32
-    keep = torch.ones(B, S, dtype=torch.bool)
-    keep[1, :9] = False  # left padding in the second row
-    keep[0, 50:53] = False  # a few holes
-    inputs = {
-        "q": torch.randn(B, S, H, D, generator=gen).to(device),
-        "k": torch.randn(B, S, HKV, D, generator=gen).to(device),
-        "v": torch.randn(B, S, HKV, D, generator=gen).to(device),
-        "attention_mask": keep.to(device),
-    }
+    inputs = attention_inputs(device, torch.Generator().manual_seed(0))
     return TourCase("lucid_attention (GQA 4/2, D=32, ragged)", lucid_attention, lucid_attention_reference,
                     inputs, ["q", "k", "v"])

@@ -38,6 +38,21 @@ class TourCase:
     grad_names: Sequence[str]
 
 
+def attention_inputs(device, gen, batch: int = 2, seq: int = 64, heads: int = 4, kv_heads: int = 2,
+                     head_dim: int = 32) -> dict:
+    """q, k, v of a GQA attention case and its ragged keep mask (left padding on the second
+    row, a hole in the first): the inputs every attention core's tour case starts from."""
+    import torch
+
+    keep = torch.ones(batch, seq, dtype=torch.bool)
+    keep[1, :9] = False
+    keep[0, 50:53] = False
+    return {"q": torch.randn(batch, seq, heads, head_dim, generator=gen).to(device),
+            "k": torch.randn(batch, seq, kv_heads, head_dim, generator=gen).to(device),
+            "v": torch.randn(batch, seq, kv_heads, head_dim, generator=gen).to(device),
+            "attention_mask": keep.to(device)}
+
+
 def _prepare_environment() -> None:
     from laminae.primitives._backend import interpret_without_cuda
 
