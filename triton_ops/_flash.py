@@ -692,15 +692,25 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: t
 # chunks of whole key blocks over up to DECODE_MAX_SPLITS programs per (b, h),
 # aiming at DECODE_PROGRAMS programs in all (about two waves of the 132 SMs).
 DECODE_MAX_QUERIES = 16
-DECODE_WARPS = 4
 DECODE_MAX_SPLITS = 32
 DECODE_PROGRAMS = 264
 
 
 def decode_block_n(bd: int, fp32: bool) -> int:
-    """Keys per step of the decoding kernel: 64, fewer for fp32 at wide head dims
-    (its K/V tiles are fp32 registers)."""
-    return min(64, 4096 // bd) if fp32 else 64
+    """Keys per step of the decoding kernel: 64, fewer at wide head dims (fp32 K/V
+    tiles are registers; at 4 warps a 64 × 128 16-bit step spills)."""
+    return max(16, min(64, 2048 // bd)) if fp32 else min(64, 8192 // bd)
+
+
+def decode_split(bd: int, fp32: bool) -> bool:
+    """Whether a decoding step at padded head dim ``bd`` runs split-K; fp32 at 256
+    (no spill-free decoding tile) takes the flash forward."""
+    return not (fp32 and bd > 128)
+
+
+def decode_warps(bd: int) -> int:
+    """Warps of the decoding kernels: 8 from head dim 128 on (spill-free there)."""
+    return 4 if bd <= 64 else 8
 
 
 def decode_splits(batch_heads: int, n: int, block_n: int) -> tuple[int, int]:
@@ -721,8 +731,10 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     N, HKV = k.shape[1], k.shape[2]
     if S > DECODE_MAX_QUERIES:
         raise ShapeError(f"flash_decode takes at most {DECODE_MAX_QUERIES} queries, got S={S}")
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
     bd = block_d(D)
+    if not decode_split(bd, q.dtype == torch.float32):
+        return flash_forward(q, k, v, key_mask)[0]
+    q, k, v = _aligned(q), _aligned(k), _aligned(v)
     block_n = decode_block_n(bd, q.dtype == torch.float32)
     splits, per = decode_splits(B * H, N, block_n)
     part = empty((B * H * splits * DECODE_MAX_QUERIES, bd), dtype=torch.float32, device=q.device)
@@ -730,12 +742,12 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: to
     wrap_triton(_flash_decode_kernel)[(B * H, splits)](
         q, k, v, key_mask, part, ml, S, N, H, HKV, D, LOG2E / math.sqrt(D), 0, per, splits,
         HAS_MASK=key_mask is not None, HAS_WINDOW=False, BLOCK_M=DECODE_MAX_QUERIES, BLOCK_N=block_n,
-        BLOCK_D=bd, EVEN_D=even_d(D, q.dtype), PRECISION=dot_precision(q.dtype), num_warps=DECODE_WARPS,
+        BLOCK_D=bd, EVEN_D=even_d(D, q.dtype), PRECISION=dot_precision(q.dtype), num_warps=decode_warps(bd),
         num_stages=2)
     o = empty((B, S, H, D), dtype=q.dtype, device=q.device)
     wrap_triton(_flash_decode_combine)[(B * H, S)](
         part, ml, o, S, H, D, splits, BLOCK_M=DECODE_MAX_QUERIES, BLOCK_SPLIT=DECODE_MAX_SPLITS,
-        BLOCK_D=bd, num_warps=DECODE_WARPS)
+        BLOCK_D=bd, num_warps=decode_warps(bd))
     return o
 
 
@@ -913,17 +925,20 @@ def static_cases(out_dtypes: tuple[str, ...] | None = None,
                                          | bwd_scalars)
                             yield StaticCase(name, kernel, signature, dict(base, BLOCK_M=m, BLOCK_N=n), warps, stages,
                                              tags=tags | ({"out": o_dt} if o_dt != dt else {}), **extra)
-            for ev_d, has_mask in ((ed, m) for ed in ((True, False) if not fp32 else (False,)) for m in (True, False)):
+            for ev_d, has_mask in ((ed, m) for ed in ((True, False) if not fp32 else (False,)) for m in (True, False)
+                                   if decode_split(bd, fp32)):
                 yield StaticCase("flash_decode", _flash_decode_kernel,
                                  dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", part_ptr="*fp32", ml_ptr="*fp32")
                                  | scalars | dict(WINDOW="i32", SPLIT_N="i32", SPLITS="i32"),
                                  dict(HAS_MASK=has_mask, HAS_WINDOW=False, BLOCK_M=DECODE_MAX_QUERIES,
                                       BLOCK_N=decode_block_n(bd, fp32), BLOCK_D=bd, EVEN_D=ev_d, PRECISION=precision),
-                                 DECODE_WARPS, 2, tags={"dtype": dt})
-            yield StaticCase("flash_decode_combine", _flash_decode_combine,
-                             dict(part_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, S="i32", H="i32", D="i32", SPLITS="i32"),
-                             dict(BLOCK_M=DECODE_MAX_QUERIES, BLOCK_SPLIT=DECODE_MAX_SPLITS, BLOCK_D=bd), DECODE_WARPS,
-                             tags={"dtype": dt})
+                                 decode_warps(bd), 2, tags={"dtype": dt})
+            if decode_split(bd, fp32):
+                yield StaticCase("flash_decode_combine", _flash_decode_combine,
+                                 dict(part_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, S="i32", H="i32", D="i32",
+                                      SPLITS="i32"),
+                                 dict(BLOCK_M=DECODE_MAX_QUERIES, BLOCK_SPLIT=DECODE_MAX_SPLITS, BLOCK_D=bd),
+                                 decode_warps(bd), tags={"dtype": dt})
             yield StaticCase("flash_delta", _flash_delta_kernel,
                              dict(o_ptr=p, do_ptr=p, delta_ptr="*fp32", R="i32", S="i32", H="i32", D="i32"),
                              dict(BLOCK_R=max(1, DELTA_TILE // bd), BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt})
