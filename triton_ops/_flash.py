@@ -493,7 +493,7 @@ class FlashTiles:
 # is 16 rows: 32 rows spill at both head dims (sm_90 check: 84-352 bytes), while with
 # int32 tile offsets and unmasked head dims 16 rows fit 2 stages at D 128 (242 regs).
 _TILES_16BIT: dict[int, FlashTiles] = {
-    16: FlashTiles(64, 64, 4, 64, 64, 4, 32, 64, 4),
+    16: FlashTiles(64, 64, 4, 64, 64, 4, 32, 64, 8),     # dk/dv on 4 warps spills 8 bytes
     32: FlashTiles(64, 64, 4, 64, 64, 4, 16, 64, 4),
     64: FlashTiles(128, 64, 8, 128, 64, 8, 16, 128, 8, stages=3, dq_stages=2, dkdv_stages=2),
     128: FlashTiles(128, 64, 8, 128, 64, 8, 16, 128, 8, stages=3, dq_stages=2, dkdv_stages=2),
@@ -699,7 +699,9 @@ DECODE_PROGRAMS = 264
 def decode_block_n(bd: int, fp32: bool) -> int:
     """Keys per step of the decoding kernel: 64, fewer at wide head dims (fp32 K/V
     tiles are registers; at 4 warps a 64 × 128 16-bit step spills)."""
-    return max(16, min(64, 2048 // bd)) if fp32 else min(64, 8192 // bd)
+    if fp32:
+        return min(64, 4096 // bd) if bd <= 64 else 16
+    return min(64, 8192 // bd)
 
 
 def decode_split(bd: int, fp32: bool) -> bool:
