@@ -52,6 +52,7 @@ from ._common import INTERPRET_AT_IMPORT, StaticCase, dot_precision, empty
 
 __all__ = [
     "FlashTiles",
+    "FP32_MAX_HEAD_DIM",
     "MAX_HEAD_DIM",
     "tiles",
     "flash_forward",
@@ -520,14 +521,19 @@ _TILES_16BIT_ODD: dict[int, FlashTiles] = {
     128: FlashTiles(64, 32, 8, 64, 16, 8, 32, 32, 8),
 }
 # fp32 inputs take exact ("ieee") products on the FMA units with operands in
-# registers, hence small tiles.
+# registers, hence small tiles. With int32 tile offsets ptxas holds the 8-warp fp32
+# tiles at 128 registers a thread and spilled the former 32×32 dk/dv and dq tiles at
+# 64/128 and the 16×16 forward at 128 (sm_90 check, 12-832 bytes): these are the
+# spill-free ones. At a padded head dim of 256 no fp32 dk/dv tile tried is spill-free
+# (16×16 on 2, 4 or 8 warps, 1 or 2 stages: 44-5420 bytes), so fp32 stops at 128
+# (FP32_MAX_HEAD_DIM); bf16/fp16 go to 256.
 _TILES_FP32: dict[int, FlashTiles] = {
     16: FlashTiles(64, 64, 4, 32, 32, 4, 32, 32, 4),
     32: FlashTiles(64, 32, 8, 64, 32, 8, 16, 32, 4),
-    64: FlashTiles(16, 16, 4, 64, 32, 8, 32, 32, 8),
-    128: FlashTiles(16, 16, 8, 32, 32, 8, 32, 32, 8, dkdv_stages=1),
-    256: FlashTiles(16, 32, 8, 16, 32, 8, 16, 16, 8, dkdv_stages=1),
+    64: FlashTiles(16, 16, 4, 64, 32, 8, 16, 16, 4),
+    128: FlashTiles(16, 16, 4, 32, 16, 8, 16, 16, 8, dkdv_stages=1),
 }
+FP32_MAX_HEAD_DIM = 128
 
 
 def block_d(head_dim: int) -> int:
@@ -613,7 +619,8 @@ def _autotuned(kernel, kind: str):
     """``kernel`` autotuned on CUDA over every candidate of its kind, pruned per launch
     to the candidates of its head dim, dtype and window (keyed on those and on the
     bucketed sequence length ``S_BUCKET``)."""
-    every = dict.fromkeys(t.of(kind) for bd in _TILES_16BIT for fp32 in (False, True) for even in (False, True)
+    every = dict.fromkeys(t.of(kind) for bd in _TILES_16BIT for fp32 in (False, True) if not fp32 or bd in _TILES_FP32
+                          for even in (False, True)
                           for window in (False, True) for masked in (False, True)
                           for t in candidates(bd, fp32, window, even, masked))
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in every]
@@ -650,6 +657,9 @@ def _check_dims(q: torch.Tensor, k: torch.Tensor) -> None:
         raise DTypeError(f"Triton flash attention supports fp32/bf16/fp16 inputs, got {q.dtype}")
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ShapeError(f"Triton flash attention supports head_dim <= {MAX_HEAD_DIM}, got {q.shape[-1]}")
+    if q.dtype == torch.float32 and q.shape[-1] > FP32_MAX_HEAD_DIM:
+        raise ShapeError(f"Triton flash attention in fp32 supports head_dim <= {FP32_MAX_HEAD_DIM} "
+                         f"(bf16/fp16 up to {MAX_HEAD_DIM}), got {q.shape[-1]}; use backend='reference'")
     if k.shape[1] < q.shape[1]:
         raise ShapeError(f"keys must cover the query positions (N >= S), got S={q.shape[1]}, N={k.shape[1]}")
     if q.shape[2] % k.shape[2]:

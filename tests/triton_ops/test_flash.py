@@ -278,3 +278,13 @@ def test_split_k_decoding_matches_float64(dtype, D, S, N, hh, masked):
     assert err <= {torch.float32: 1e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}[dtype], err
     if masked:
         assert (out[1] == 0).all()
+
+
+def test_fp32_head_dims_past_the_spill_free_tiles_are_refused():
+    """fp32 stops at head dim 128 (no spill-free fp32 dk/dv tile at 256); 16-bit goes to 256."""
+    from laminae.primitives import ShapeError
+    from laminae.triton_ops._flash import FP32_MAX_HEAD_DIM
+
+    q = torch.randn(1, 4, 2, FP32_MAX_HEAD_DIM + 8, device=DEVICE)
+    with pytest.raises(ShapeError, match="fp32 supports head_dim <= 128"):
+        flash_attention(q, q[:, :, :1], q[:, :, :1])
