@@ -13,8 +13,10 @@ rank too (continuing the cache's live count), so left padding gives the kept tok
 the positions they would have without it.
 
 Backends: ``"triton"`` runs the flash core with a window (``triton_ops/_flash.py``)
-on uncached calls without a mask, where live rank and position coincide; masked or
-cached calls use the PyTorch path on either backend.
+on uncached calls without a mask, where live rank and position coincide, and the
+split-K decoding kernel on cached one-token steps (the query sees exactly the
+frame's last ``window`` live entries: a keep mask, no window test); other masked
+or cached calls use the PyTorch path on either backend.
 
 Decoding: :class:`SlidingWindowCache` retains the last ``window`` *live* post-RoPE
 keys and values (a fixed ``[B, window, H, u]`` frame, dead slots after them), so
@@ -105,7 +107,7 @@ class SlidingWindowAttention(nn.Module):
     ``position_ids`` ``[B, N]`` (default: live-token count − 1, continuing the cache).
     ``cache=None`` is an uncached call and returns ``cache=None``; decoding starts
     from :meth:`empty_cache`. Without a mask the Triton backend runs the windowed flash
-    kernel. The projections run under autocast; the attention with autocast off.
+    kernel, and on cached one-token steps the split-K decoding kernel. The projections run under autocast; the attention with autocast off.
 
     Example::
 
@@ -194,8 +196,16 @@ class SlidingWindowAttention(nn.Module):
                     q=q, k=k, v=v, cached_keys=cache.keys, cached_values=cache.values)
                 key, value = torch.cat([cached_keys, k], 1), torch.cat([cached_values, v], 1)
                 frame_keep = torch.cat([cache.keep, live], 1)
-                cache = self._retain(cache, key.detach(), value.detach(), frame_keep, live)
-                y = sliding_window_reference(q, key, value, frame_keep, window=self.window)
+                cache, seen = self._retain(cache, key.detach(), value.detach(), frame_keep, live)
+                if N == 1 and not (torch.is_grad_enabled() and q.requires_grad) \
+                        and resolve_backend(self.backend, x, self.q_proj.weight) == "triton":
+                    from laminae.triton_ops import _flash
+
+                    # one step: a live query sees exactly the frame's last `window` live entries
+                    y = _flash.flash_decode(q.contiguous(), key, value, _flash.mask_arg(seen))
+                    y = torch.where(live[:, :, None, None], y, torch.zeros_like(y))
+                else:
+                    y = sliding_window_reference(q, key, value, frame_keep, window=self.window)
             elif mask is None and resolve_backend(self.backend, x, self.q_proj.weight) == "triton":
                 from laminae.triton_ops._flash import flash_attention
 
@@ -204,9 +214,9 @@ class SlidingWindowAttention(nn.Module):
                 y = sliding_window_reference(q, k, v, live, window=self.window)
         return BlockOutput(self.o_proj(y.reshape(B, N, -1)), cache)
 
-    def _retain(self, cache: SlidingWindowCache, key, value, keep, live) -> SlidingWindowCache:
+    def _retain(self, cache: SlidingWindowCache, key, value, keep, live) -> tuple[SlidingWindowCache, torch.Tensor]:
         """The last ``window`` live entries of the frame, in order, then dead slots, in
-        the cache's dtype."""
+        the cache's dtype; and which frame entries those are ``[B, M]``."""
         M = keep.shape[1]
         after = torch.flip(torch.cumsum(torch.flip(keep.long(), [1]), 1), [1])   # live entries at or after j
         kept = keep & (after <= self.window)
@@ -215,4 +225,4 @@ class SlidingWindowAttention(nn.Module):
         gather = order[..., None, None].expand(-1, -1, *key.shape[2:])
         return SlidingWindowCache(key.gather(1, gather).to(cache.dtype), value.gather(1, gather).to(cache.dtype),
                                   kept.gather(1, order), cache.live_tokens + live.sum(1), cache.length + live.shape[1],
-                                  cache.config)
+                                  cache.config), kept

@@ -99,10 +99,14 @@ class ElasticAttention(nn.Module):
             cache.check("ElasticAttention", config, k)
             cache = cache.append(k, v, keep)
             k, v, attention_mask = cache.keys.to(q.dtype), cache.values.to(q.dtype), cache.keep
-        if not decoding and resolve_backend(self.backend, q) == "triton":
-            from laminae.triton_ops._flash import flash_attention
+        if resolve_backend(self.backend, q) == "triton":
+            from laminae.triton_ops import _flash
 
-            y = flash_attention(q, k, v, attention_mask)
+            if decoding and S <= _flash.DECODE_MAX_QUERIES and not (torch.is_grad_enabled() and q.requires_grad):
+                # a decoding step: keys split over programs (flash-decoding), partials merged
+                y = _flash.flash_decode(q.contiguous(), k.contiguous(), v.contiguous(), _flash.mask_arg(attention_mask))
+            else:
+                y = _flash.flash_attention(q, k, v, attention_mask)
         else:
             y = sdpa_core(q, k, v, attention_mask)
         y = y * torch.sigmoid(gate)
@@ -152,8 +156,9 @@ class ElasticCausalLM(nn.Module):
         init_trainable: train the split matrices' ``init`` too (the seed does).
         base_init: draw every matrix at ``1/sqrt(base fan-in)`` (training from
             scratch); False leaves zeros for a checkpoint to fill.
-        backend: "auto" | "triton" | "reference": the shared-matrix products and, on
-            uncached calls, the causal attention (the flash core).
+        backend: "auto" | "triton" | "reference": the shared-matrix products and the
+            causal attention (the flash core; a cached step of at most 16 tokens runs
+            the split-K decoding kernel over the cache).
 
     ``forward(input_ids [B, S], attention_mask=None, cache=None, tier=None) -> LMOutput``
     (fp32 ``logits [B, S, V]``, ``hidden [B, S, n]``); ``tier=None`` is the widest;

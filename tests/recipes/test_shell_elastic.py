@@ -57,6 +57,32 @@ def test_cached_decoding_matches_the_full_forward_in_every_tier(fixture):
             assert (decode_in_steps(model, ids, 3, tier=tier) - full).abs().max().item() <= 1e-5, tier
 
 
+def test_cached_steps_on_the_triton_backend_run_the_split_k_decoding_kernel(monkeypatch):
+    """A left-padded prompt, then one-token steps on backend="triton" (each on
+    ``flash_decode`` over the cache and its keep mask) equal the full forward, in
+    the smallest tier."""
+    import laminae.triton_ops._flash as flash
+
+    calls = []
+    real = flash.flash_decode
+    monkeypatch.setattr(flash, "flash_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model, inputs, _ = _built("elastic_fully", "triton")
+    ids = inputs["input_ids"][:, :6]
+    tier = model.config.tiers[0]
+    keep = torch.ones_like(ids, dtype=torch.bool)
+    keep[0, :2] = False
+    with torch.no_grad():
+        full = model(ids, keep, tier=tier).logits
+        out = model(ids[:, :3], keep[:, :3], cache=DecoderCache(), tier=tier)
+        steps, cache = [out.logits], out.cache
+        for t in range(3, ids.shape[1]):
+            out = model(ids[:, t:t + 1], keep[:, t:t + 1], cache=cache, tier=tier)
+            steps.append(out.logits)
+            cache = out.cache
+    assert len(calls) == 4 * len(model.layers)          # the 3-token prompt and 3 steps, every layer
+    torch.testing.assert_close(torch.cat(steps, 1)[keep], full[keep], atol=1e-5, rtol=0)
+
+
 def test_two_continuations_of_one_cache_are_both_right():
     model, inputs, _ = _built("elastic_fully")
     ids = inputs["input_ids"]

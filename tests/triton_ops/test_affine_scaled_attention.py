@@ -223,7 +223,7 @@ def test_kernel_matches_reference_low_precision(dtype, D):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("D", [16, 64, 128, 256])
+@pytest.mark.parametrize("D", [16, 64, 128])
 def test_kernel_matches_reference_fp32_gpu_default_tiles(D):
     inp = _inputs(2, 200, 23, 4, 2, D, True, 1.0, 1)
     assert_parity(affine_scaled_attention, affine_scaled_attention_reference, inp, GRADS)

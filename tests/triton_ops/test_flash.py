@@ -16,7 +16,7 @@ from laminae.primitives import ConfigError
 from laminae.triton_ops import _flash
 from laminae.triton_ops._flash import FlashTiles, flash_attention, flash_attention_reference
 
-from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
+from .._helpers import DEVICE, assert_matches_float64, assert_parity, keep_mask, scales, seeds
 
 # Unequal tile sides both ways, so the diagonal blocks of the forward/dq loops and of
 # the dk/dv loop are cut by the causal bound in the middle of a tile.
@@ -163,13 +163,128 @@ def test_16bit_tiles_fill_warpgroups_and_every_candidate_is_a_static_case(bd, wi
         for kind, rows in (("fwd", t.fwd_m), ("dq", t.dq_m), ("dkdv", t.dkdv_n)):
             m, n, warps, stages = t.of(kind)
             assert warps % 4 == 0 and rows >= 64, (kind, t)
-            assert kind == "dkdv" or stages >= 2  # dk/dv at 128: a second stage spills
-    cases = [c for c in _flash.static_cases(windows=(window,))
-             if c.constexprs.get("BLOCK_D") == bd and c.tags["dtype"] == "bf16" and c.tags.get("div16")]
-    for kind, name in (("fwd", "flash_fwd"), ("dq", "flash_bwd_dq"), ("dkdv", "flash_bwd_dkdv")):
-        launched = {(c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps, c.num_stages)
-                    for c in cases if c.name == name}
-        kept = _flash._prune(kind)(_flash._TUNED[kind].configs, {"q_ptr": torch.empty(0, dtype=torch.bfloat16), "D": bd},
-                                   BLOCK_D=bd, HAS_WINDOW=window)
-        assert {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept} == launched
-        assert all(c.expect == "HGMMA" and "D" in c.divisible for c in cases if c.name == name)
+            assert stages >= 2, (kind, t)  # every loop holding a tl.dot is software-pipelined
+    for masked in (True, False):
+        cases = [c for c in _flash.static_cases(windows=(window,))
+                 if c.constexprs.get("BLOCK_D") == bd and c.tags["dtype"] == "bf16" and c.tags.get("div16")
+                 and c.constexprs["HAS_MASK"] == masked]
+        for kind, name in (("fwd", "flash_fwd"), ("dq", "flash_bwd_dq"), ("dkdv", "flash_bwd_dkdv")):
+            kept = _flash._prune(kind)(_flash._TUNED[kind].configs,
+                                       {"q_ptr": torch.empty(0, dtype=torch.bfloat16), "D": bd},
+                                       BLOCK_D=bd, HAS_WINDOW=window, HAS_MASK=masked)
+            kept = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) for c in kept}
+            for even_d in (True, False):                     # D == BLOCK_D, and a multiple of 16 below it
+                launched = {(c.constexprs["BLOCK_M"], c.constexprs["BLOCK_N"], c.num_warps, c.num_stages)
+                            for c in cases if c.name == name and c.constexprs["EVEN_D"] == even_d}
+                assert kept == launched, (kind, masked, even_d)
+            assert all(c.expect == "HGMMA" and "D" in c.divisible for c in cases if c.name == name)
+
+
+# ----------------------------------------------------------------------------
+# Every launchable 16-bit configuration, in its own dtype, against float64
+# ----------------------------------------------------------------------------
+
+
+_KINDS = ("fwd", "dq", "dkdv")
+
+
+def _runs(options: tuple[FlashTiles, ...], seen: set) -> list[FlashTiles]:
+    """Few tile sets that launch, between them, every (kernel, BLOCK_M, BLOCK_N) of
+    ``options`` not in ``seen`` (warps and stages do not change what the interpreter
+    computes): run i takes each kernel's i-th distinct tile, so one run checks three
+    kernels' candidates at once."""
+    per_kind = {kind: list(dict.fromkeys(t.of(kind) for t in options)) for kind in _KINDS}
+    runs = []
+    for i in range(max(len(v) for v in per_kind.values())):
+        pick = {kind: v[i % len(v)] for kind, v in per_kind.items()}
+        if {(kind, *pick[kind][:2]) for kind in _KINDS} <= seen:
+            continue
+        seen |= {(kind, *pick[kind][:2]) for kind in _KINDS}
+        f, q, d = pick["fwd"], pick["dq"], pick["dkdv"]
+        runs.append(FlashTiles(f[0], f[1], f[2], q[0], q[1], q[2], d[0], d[1], d[2], stages=f[3], dq_stages=q[3],
+                               dkdv_stages=d[3]))
+    return runs
+
+
+def _autotuned() -> list[tuple[int, bool, bool, FlashTiles]]:
+    """(head dim tile, window, keep mask, tiles) covering every candidate the CUDA
+    autotuner's pruner can keep at head dims 64 and 128: masked causal launches,
+    then unmasked windowed ones for what only those add (the unmasked 128×128
+    forward, the window's dk/dv tiles)."""
+    out = []
+    for bd in (64, 128):
+        seen: set = set()
+        for window, masked in ((False, True), (True, False)):
+            out += [(bd, window, masked, t) for t in _runs(_flash.candidates(bd, False, window, masked=masked), seen)]
+    return out
+
+
+_AUTOTUNED = _autotuned()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("run", range(len(_AUTOTUNED)),
+                         ids=[f"d{bd}-{'win-nomask' if w else 'causal-mask'}-{i}"
+                              for i, (bd, w, _, _) in enumerate(_AUTOTUNED)])
+def test_every_autotune_candidate_matches_float64_in_its_own_dtype(run, dtype):
+    """Each tile set the CUDA autotuner may pick at head dims 64 and 128 (through
+    ``candidates``, the list its pruner keeps) runs in bf16 and in fp16 against the
+    float64 truth: queries and keys span two of the largest tiles plus a ragged
+    one, with a cached prefix of 3 keys, GQA 2:1, left padding and holes in the
+    keep mask (or a window wider than a tile). The head dim fills the tile
+    (``EVEN_D``) in one dtype and is 16 short of it in the other, alternating by run."""
+    bd, window, masked, t = _AUTOTUNED[run]
+    big = max(t.fwd_m, t.dq_m, t.dkdv_m, t.fwd_n, t.dq_n, t.dkdv_n)
+    S, N = 2 * big + 5, 2 * big + 8
+    D = bd if (dtype == torch.bfloat16) == (run % 2 == 0) else bd - 16
+    gen = torch.Generator().manual_seed(run)
+    mask = keep_mask(1, N, gen)
+    mask[0, :4] = False
+    inputs = {"q": torch.randn(1, S, 2, D, generator=gen).to(DEVICE, dtype),
+              "k": torch.randn(1, N, 1, D, generator=gen).to(DEVICE, dtype),
+              "v": torch.randn(1, N, 1, D, generator=gen).to(DEVICE, dtype),
+              "attention_mask": mask.to(DEVICE) if masked else None, "window": big + 21 if window else None}
+    with forced_tiles(t):
+        assert_matches_float64(flash_attention, flash_attention_reference, inputs, ["q", "k", "v"])
+
+
+# ----------------------------------------------------------------------------
+# Split-K decoding
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype,D,S,N,hh,masked", [
+    (torch.bfloat16, 64, 1, 301, (4, 2), True),       # 5 splits of one 64-key block, the last ragged
+    (torch.float16, 48, 3, 200, (2, 1), True),        # masked head dim, three new queries
+    (torch.float32, 24, 1, 150, (2, 2), False),       # fp32: 64-key blocks at BLOCK_D 32
+], ids=["bf16-d64", "fp16-d48", "fp32-d24"])
+def test_split_k_decoding_matches_float64(dtype, D, S, N, hh, masked):
+    """``flash_decode`` (keys split over programs, partials merged by a second
+    kernel) equals the float64 truth for the newest S queries over a cache, with
+    GQA, padding and holes in the keep mask and a row whose keys are all masked."""
+    gen = torch.Generator().manual_seed(N)
+    H, HKV = hh
+    B = 2
+    q = torch.randn(B, S, H, D, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(B, N, HKV, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    mask = keep_mask(B, N, gen) if masked else None
+    if masked:
+        mask[1] = False                                   # batch row 1 sees nothing: output 0
+    splits, per = _flash.decode_splits(B * H, N, _flash.decode_block_n(_flash.block_d(D), dtype == torch.float32))
+    assert splits > 1 and (splits - 1) * per < N <= splits * per
+    out = _flash.flash_decode(q, k, v, _flash.mask_arg(mask))
+    ref = flash_attention_reference(q.double(), k.double(), v.double(), mask)
+    err = torch.linalg.vector_norm(out.double() - ref) / torch.linalg.vector_norm(ref)
+    assert err <= {torch.float32: 1e-6, torch.float16: 5e-4, torch.bfloat16: 4e-3}[dtype], err
+    if masked:
+        assert (out[1] == 0).all()
+
+
+def test_fp32_head_dims_past_the_spill_free_tiles_are_refused():
+    """fp32 stops at head dim 128 (no spill-free fp32 dk/dv tile at 256); 16-bit goes to 256."""
+    from laminae.primitives import ShapeError
+    from laminae.triton_ops._flash import FP32_MAX_HEAD_DIM
+
+    q = torch.randn(1, 4, 2, FP32_MAX_HEAD_DIM + 8, device=DEVICE)
+    with pytest.raises(ShapeError, match="fp32 supports head_dim <= 128"):
+        flash_attention(q, q[:, :, :1], q[:, :, :1])

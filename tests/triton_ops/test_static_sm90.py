@@ -135,7 +135,8 @@ def test_editing_a_shared_jit_helper_changes_the_key_of_every_kernel_that_calls_
         restore()
     changed = {cid.split("[")[0] for cid in before if before[cid] != after[cid]}
     assert changed == {"probe/by_name", "probe/transitive", "affine_scaled_attention/flash_fwd",
-                       "affine_scaled_attention/flash_bwd_dq", "affine_scaled_attention/flash_bwd_dkdv"}
+                       "affine_scaled_attention/flash_bwd_dq", "affine_scaled_attention/flash_bwd_dkdv",
+                       "affine_scaled_attention/flash_decode"}
 
     restore = _edit_source(derf._erf_plus_one_half, "1.0 + 0.5 * x", "1.0 + x * 0.5")  # in the kernel's own file
     try:

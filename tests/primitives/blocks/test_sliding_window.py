@@ -77,6 +77,32 @@ def test_local_path_on_the_flash_kernel_matches_the_reference(length, window, mo
     assert not calls
 
 
+def test_one_token_steps_on_the_triton_backend_run_the_decoding_kernel(monkeypatch):
+    """Cached one-token steps with holes, left padding and a dead step equal the
+    reference's full forward, through the split-K decoding kernel over the frame."""
+    import laminae.triton_ops._flash as flash
+
+    calls = []
+    real = flash.flash_decode
+    monkeypatch.setattr(flash, "flash_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(1)
+    ref = SlidingWindowAttention(16, 2, 8, window_size=3, backend="reference")
+    tri = SlidingWindowAttention(16, 2, 8, window_size=3, backend="triton")
+    tri.load_state_dict(ref.state_dict())
+    x = torch.randn(2, 8, 16)
+    live = torch.ones(2, 8, dtype=torch.bool)
+    live[0, :2] = False
+    live[1, 4] = False
+    with torch.no_grad():
+        want = ref(x, live).output
+        cache, steps = tri.empty_cache(2), []
+        for t in range(8):
+            y, cache = tri(x[:, t:t + 1], live[:, t:t + 1], cache)
+            steps.append(y)
+    assert len(calls) == 8
+    torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-6, rtol=0)
+
+
 def test_empty_cache_and_named_errors():
     layer = SlidingWindowAttention(16, 2, 8, window_size=3)
     cache = layer.empty_cache(2)
