@@ -73,7 +73,7 @@ def test_cached_steps_on_the_triton_backend_run_the_split_k_decoding_kernel(monk
     keep[0, :2] = False
     with torch.no_grad():
         full = model(ids, keep, tier=tier).logits
-        out = model(ids[:, :3], keep[:, :3], cache=DecoderCache(), tier=tier)
+        out = model(ids[:, :3], keep[:, :3], cache=model.empty_cache(ids.shape[0]), tier=tier)
         steps, cache = [out.logits], out.cache
         for t in range(3, ids.shape[1]):
             out = model(ids[:, t:t + 1], keep[:, t:t + 1], cache=cache, tier=tier)
