@@ -18,10 +18,12 @@ split-K decoding kernel on cached one-token steps (the query sees exactly the
 frame's last ``window`` live entries: a keep mask, no window test); other masked
 or cached calls use the PyTorch path on either backend.
 
-Decoding: :class:`SlidingWindowCache` retains the last ``window`` *live* post-RoPE
-keys and values (a fixed ``[B, window, H, u]`` frame, dead slots after them), so
-cached decoding equals the full forward with padding and holes too; each step costs
-O(window) whatever the length.
+Decoding: :class:`SlidingWindowCache` retains at least the last ``window`` *live*
+post-RoPE keys and values of every row in a ring of ``2·window`` slots, so cached
+decoding equals the full forward with padding and holes too. A step writes its rows
+after the retained ones and attends over a view of the ring; when the ring is full
+the last ``window`` live rows move to the front of fresh storage (amortised O(1)
+rows copied per step; the attention reads O(window) whatever the length).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._backend import Backend, check_backend, resolve_backend
-from .._cache import DecodingCache, check_cache
+from .._cache import DecodingCache, _Storage, check_cache
 from .._errors import DTypeError, ShapeError
 from .._outputs import BlockOutput
 from .._validation import (FLOAT_DTYPES, check_has_tokens, check_keep_mask, check_param_dtype, check_positive_int,
@@ -59,17 +61,36 @@ def sliding_window_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 class SlidingWindowCache(DecodingCache):
-    """The retained frame: post-RoPE ``keys``/``values`` ``[B, window, H, u]`` and
-    ``keep`` ``[B, window]`` (which slots hold a live token: live entries first, oldest
-    first); ``length`` positions seen, ``live_tokens`` ``[B]`` the live ones (default
-    positions continue from it). Immutable: a step returns a new one. The frame is
-    bounded by the window, so a step costs O(window + chunk) whatever the length of
-    the past. Start from :meth:`SlidingWindowAttention.empty_cache`."""
+    """The retained frame in a ring of ``2·window`` slots per row: ``keys``/``values``
+    ``[B, n, H, u]`` post-RoPE and ``keep`` ``[B, n]`` are views of its first ``n``
+    slots, which hold at least the last ``window`` live tokens of every row, oldest
+    first (dead slots among them; ``window ≤ n ≤ 2·window`` once the window has
+    filled); ``length`` positions seen, ``live_tokens`` ``[B]`` the live ones (default
+    positions continue from it). Immutable: a step returns a new one.
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor, live_tokens: torch.Tensor,
+    A step writes its tokens after the ``n`` slots, in place, when this cache holds
+    the storage's newest write and they fit; otherwise (the ring is full, or another
+    step from the same cache wrote first: a branch) it compacts: the last ``window``
+    live entries of the frame go to the front of fresh storage. So a one-token step
+    copies one row of keys and values, plus a compaction of ``window`` rows once in
+    ``window + 1`` steps. Start from :meth:`SlidingWindowAttention.empty_cache`."""
+
+    def __init__(self, storage: _Storage, end: int, version: int | None, live_tokens: torch.Tensor,
                  length: int, config: dict) -> None:
-        self.keys, self.values, self.keep, self.live_tokens = keys, values, keep, live_tokens
-        self._length, self.config = length, config
+        self._storage, self._end, self._version = storage, end, version
+        self.live_tokens, self._length, self.config = live_tokens, length, config
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._storage.tensors["key"][:, :self._end]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._storage.tensors["value"][:, :self._end]
+
+    @property
+    def keep(self) -> torch.Tensor:
+        return self._storage.tensors["keep"][:, :self._end]
 
     @property
     def length(self) -> int:
@@ -88,14 +109,36 @@ class SlidingWindowCache(DecodingCache):
         return self.keys.device
 
     def reset(self) -> None:
-        """Forget every token (explicit, in place)."""
-        self.keys, self.values = torch.zeros_like(self.keys), torch.zeros_like(self.values)
-        self.keep, self.live_tokens = torch.zeros_like(self.keep), torch.zeros_like(self.live_tokens)
-        self._length = 0
+        """Forget every token (explicit, in place; caches sharing the storage keep theirs)."""
+        self._storage, self._end, self._version = _ring(self.keys, 2 * self.config["window"]), 0, 0
+        self.live_tokens, self._length = torch.zeros_like(self.live_tokens), 0
 
     def clone(self) -> "SlidingWindowCache":
-        return SlidingWindowCache(self.keys.clone(), self.values.clone(), self.keep.clone(), self.live_tokens.clone(),
-                                  self._length, dict(self.config))
+        st = _ring(self.keys, self._storage.capacity)
+        for name, t in self._storage.tensors.items():
+            st.tensors[name][:, :self._end].copy_(t[:, :self._end])
+        return SlidingWindowCache(st, self._end, 0, self.live_tokens.clone(), self._length, dict(self.config))
+
+    def _appended(self, k: torch.Tensor, v: torch.Tensor, live: torch.Tensor) -> "SlidingWindowCache | None":
+        """A cache holding these slots then the chunk ``k, v [B, N, H, u]`` written in
+        place, or None when they do not fit or another step wrote here first."""
+        st, N = self._storage, k.shape[1]
+        if st.version != self._version or self._end + N > st.capacity:
+            return None
+        end = self._end + N
+        for name, t in (("key", k), ("value", v), ("keep", live)):
+            st.tensors[name][:, self._end:end].copy_(t)
+        st.version += 1
+        return SlidingWindowCache(st, end, st.version, self.live_tokens + live.sum(1), self._length + N, self.config)
+
+
+def _ring(like: torch.Tensor, capacity: int) -> _Storage:
+    """Zeroed storage of ``capacity`` slots shaped as ``like`` ``[B, ·, H, u]`` (zeros: the
+    decoding kernel reads the slots after the frame under a mask, and 0·NaN is NaN)."""
+    B, tail = like.shape[0], like.shape[2:]
+    rows = (B, capacity, *tail)
+    return _Storage({"key": like.new_zeros(rows), "value": like.new_zeros(rows),
+                     "keep": torch.zeros(B, capacity, dtype=torch.bool, device=like.device)})
 
 
 class SlidingWindowAttention(nn.Module):
@@ -153,10 +196,8 @@ class SlidingWindowAttention(nn.Module):
         if dtype not in FLOAT_DTYPES:
             raise DTypeError(f"`dtype` of a sliding-window cache must be a float dtype, got {dtype}")
         device = weight.device if device is None else torch.device(device)
-        frame = (batch, self.window, self.num_heads, self.head_dim)
-        return SlidingWindowCache(torch.zeros(frame, dtype=dtype, device=device),
-                                  torch.zeros(frame, dtype=dtype, device=device),
-                                  torch.zeros(batch, self.window, dtype=torch.bool, device=device),
+        like = torch.empty((batch, 0, self.num_heads, self.head_dim), dtype=dtype, device=device)
+        return SlidingWindowCache(_ring(like, 2 * self.window), 0, 0,
                                   torch.zeros(batch, dtype=torch.long, device=device), 0, self._config)
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -191,17 +232,34 @@ class SlidingWindowAttention(nn.Module):
         v = self.v_proj(x).view(shape)
         with without_autocast(x.device.type):
             if cache is not None:
-                # frame = retained ‖ chunk: O(window + N) per call
-                q, k, v, cached_keys, cached_values = match_activation_dtypes(
-                    q=q, k=k, v=v, cached_keys=cache.keys, cached_values=cache.values)
-                key, value = torch.cat([cached_keys, k], 1), torch.cat([cached_values, v], 1)
-                frame_keep = torch.cat([cache.keep, live], 1)
-                cache, seen = self._retain(cache, key.detach(), value.detach(), frame_keep, live)
+                q, k, v, _, _ = match_activation_dtypes(q=q, k=k, v=v, cached_keys=cache.keys,
+                                                        cached_values=cache.values)
+                grown = cache._appended(k.detach(), v.detach(), live)
+                if grown is not None:
+                    # the frame is a view of the ring: the step copied only its own rows
+                    key, value, frame_keep = grown.keys.to(q.dtype), grown.values.to(q.dtype), grown.keep
+                    if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+                        # the ring holds detached rows: the chunk's own enter the frame with their graph
+                        key = torch.cat([key[:, :-N], k], 1)
+                        value = torch.cat([value[:, :-N], v], 1)
+                    cache, seen = grown, self._window_of(frame_keep)
+                else:
+                    # compaction (full ring, or a branch): frame = retained ‖ chunk, O(window + N)
+                    key = torch.cat([cache.keys.to(q.dtype), k], 1)
+                    value = torch.cat([cache.values.to(q.dtype), v], 1)
+                    frame_keep = torch.cat([cache.keep, live], 1)
+                    cache, seen = self._retain(cache, key.detach(), value.detach(), frame_keep, live)
                 if N == 1 and not (torch.is_grad_enabled() and q.requires_grad) \
                         and resolve_backend(self.backend, x, self.q_proj.weight) == "triton":
                     from laminae.triton_ops import _flash
 
                     # one step: a live query sees exactly the frame's last `window` live entries
+                    if grown is not None and key.shape[0] > 1:
+                        # the kernel reads contiguous [B, slots, H, u]: the whole ring, slots
+                        # after the frame masked off (zeros, never written)
+                        whole = cache._storage.tensors
+                        key, value = whole["key"].to(q.dtype), whole["value"].to(q.dtype)
+                        seen = F.pad(seen, (0, key.shape[1] - seen.shape[1]))
                     y = _flash.flash_decode(q.contiguous(), key, value, _flash.mask_arg(seen))
                     y = torch.where(live[:, :, None, None], y, torch.zeros_like(y))
                 else:
@@ -214,15 +272,24 @@ class SlidingWindowAttention(nn.Module):
                 y = sliding_window_reference(q, k, v, live, window=self.window)
         return BlockOutput(self.o_proj(y.reshape(B, N, -1)), cache)
 
-    def _retain(self, cache: SlidingWindowCache, key, value, keep, live) -> tuple[SlidingWindowCache, torch.Tensor]:
-        """The last ``window`` live entries of the frame, in order, then dead slots, in
-        the cache's dtype; and which frame entries those are ``[B, M]``."""
-        M = keep.shape[1]
+    def _window_of(self, keep: torch.Tensor) -> torch.Tensor:
+        """Which entries of a frame ``keep [B, M]`` are among its last ``window`` live ones."""
         after = torch.flip(torch.cumsum(torch.flip(keep.long(), [1]), 1), [1])   # live entries at or after j
-        kept = keep & (after <= self.window)
+        return keep & (after <= self.window)
+
+    def _retain(self, cache: SlidingWindowCache, key, value, keep, live) -> tuple[SlidingWindowCache, torch.Tensor]:
+        """A cache whose fresh ring starts with the last ``window`` live entries of the
+        frame, in order, then dead slots, in the cache's dtype; and which frame entries
+        those are ``[B, M]``."""
+        M = keep.shape[1]
+        kept = self._window_of(keep)
+        n = min(M, self.window)
         idx = torch.arange(M, device=keep.device).expand_as(keep)
-        order = torch.argsort(torch.where(kept, idx, idx + M), dim=1)[:, :self.window]
+        order = torch.argsort(torch.where(kept, idx, idx + M), dim=1)[:, :n]
         gather = order[..., None, None].expand(-1, -1, *key.shape[2:])
-        return SlidingWindowCache(key.gather(1, gather).to(cache.dtype), value.gather(1, gather).to(cache.dtype),
-                                  kept.gather(1, order), cache.live_tokens + live.sum(1), cache.length + live.shape[1],
+        st = _ring(cache.keys, 2 * self.window)
+        st.tensors["key"][:, :n] = key.gather(1, gather)
+        st.tensors["value"][:, :n] = value.gather(1, gather)
+        st.tensors["keep"][:, :n] = kept.gather(1, order)
+        return SlidingWindowCache(st, n, 0, cache.live_tokens + live.sum(1), cache.length + live.shape[1],
                                   cache.config), kept

@@ -46,7 +46,55 @@ def test_sliding_window_sees_itself_and_the_previous_window_minus_one_live_token
         y, cache = layer(x[:, t:t + 1], live[:, t:t + 1], cache)
         steps.append(y)
     torch.testing.assert_close(torch.cat(steps, 1), got, atol=1e-6, rtol=0)
-    assert cache.keys.shape[1] == 3 and cache.length == 9 and cache.live_tokens.tolist() == [7, 7]
+    assert 3 <= cache.keys.shape[1] < 6 and cache.length == 9 and cache.live_tokens.tolist() == [7, 7]
+
+
+def test_steps_write_into_the_ring_and_compact_once_per_window():
+    """A one-token step writes its row after the frame in the same storage (no
+    per-step copy of the window); every `window` steps the last `window` live rows
+    move to the front of fresh storage; a second step from one cache copies, so
+    neither continuation sees the other's rows; a cached chunk keeps its gradient."""
+    torch.manual_seed(2)
+    layer = SlidingWindowAttention(16, 2, 8, window_size=3)
+    x = torch.randn(2, 12, 16)
+    live = torch.ones(2, 12, dtype=torch.bool)
+    live[0, :3] = False
+    live[1, 5:7] = False
+    with torch.no_grad():
+        want = layer(x, live).output
+        cache, steps, ends, storages, frames = layer.empty_cache(2), [], [], [], []
+        for t in range(12):
+            y, cache = layer(x[:, t:t + 1], live[:, t:t + 1], cache)
+            steps.append(y)
+            ends.append(cache.keys.shape[1])
+            storages.append(cache.keys.data_ptr())
+            frames.append((cache, cache.keys.clone(), cache.keep.clone()))
+    torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-6, rtol=0)
+    assert ends == [1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 3, 4]
+    moved = [t for t in range(1, 12) if storages[t] != storages[t - 1]]
+    assert moved == [6, 10]                                # compactions only
+    for old, keys, keep in frames:                         # no step changed an earlier cache
+        assert torch.equal(old.keys, keys) and torch.equal(old.keep, keep)
+    # the last `window` live rows of each row are the newest live keys, in order
+    k = layer.rotary(layer.k_proj(x).view(2, 12, 2, 8), (torch.cumsum(live.long(), 1) - 1).clamp_min(0))
+    for b in range(2):
+        torch.testing.assert_close(cache.keys[b][cache.keep[b]][-3:], k[b][live[b]][-3:].detach(), atol=1e-6, rtol=0)
+    with torch.no_grad():
+        prefix = frames[7][0]                              # its storage's newest write is frames[8]
+        y, again = layer(x[:, 8:9], live[:, 8:9], prefix)
+    assert again.keys.data_ptr() != frames[8][0].keys.data_ptr()
+    assert torch.equal(frames[8][0].keys, frames[8][1])
+    torch.testing.assert_close(y, steps[8], atol=1e-6, rtol=0)
+    # gradient through a cached chunk's own keys and values (written in place)
+    with torch.no_grad():
+        _, prefix = layer(x[:, :4], live[:, :4], layer.empty_cache(2))
+    chunk = x[:, 4:6].clone().requires_grad_(True)
+    xf = x.clone().requires_grad_(True)
+    y, grown = layer(chunk, live[:, 4:6], prefix)
+    assert grown.keys.data_ptr() == prefix.keys.data_ptr()
+    y.sum().backward()
+    layer(xf, live).output[:, 4:6].sum().backward()
+    torch.testing.assert_close(chunk.grad, xf.grad[:, 4:6], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("length,window", [(1, 3), (7, 3), (9, 16)])
