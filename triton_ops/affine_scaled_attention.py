@@ -16,12 +16,12 @@ Backward  one row-wise kernel reads the upstream g once and writes
             g′ = α·g                     (the flash backward's upstream),
             δ  = Σ_d g′·O_flash          (its row term),
             dα = Σ_d g·(O_flash − v̄),   dα_ma partials Σ_d g·v̄;
-          the flash backward with g′ gives dq, dk, dv; the reverse scan kernel adds
+          the flash backward with g′ gives dq, dk, dv; a two-level suffix scan adds
           the v̄ path into dv in place: key j gets Σ over the queries t that see it
           of c_t·g_t, c_t = (α_ma − α_t)/N_t, summed over the heads of its kv group,
-          which is a suffix sum over t (``tl.cumsum(..., reverse=True)`` plus a carried
-          total) read at the first query that sees j (t = j − (N − S), or 0 for
-          cached keys), zero on padding keys.
+          which is a suffix sum over t (per query chunk: the sums of the later
+          chunks plus ``tl.cumsum(..., reverse=True)``) read at the first query that
+          sees j (t = j − (N − S), or 0 for cached keys), zero on padding keys.
 A query with no visible key has N_t = 0: its output, v̄ and c_t are 0. Padding
 contents never reach kept positions (masked with ``where``, never by multiplying).
 No torch pass over a full-size tensor remains around the flash core.
@@ -46,16 +46,15 @@ __all__ = ["affine_scaled_attention", "affine_scaled_attention_fwd"]
 
 ROW_BLOCK = 16
 ROW_WARPS = 4
-# Scan tiles: SCAN_BLOCK_T positions × at most SCAN_BLOCK_D features per step; the
-# head dim is split across programs, so the scans read whole 64-128-byte segments
-# per row and B·H_kv·cdiv(D, SCAN_BLOCK_D) programs run side by side.
-SCAN_BLOCK_T = 32
+# Scan tiles: at most SCAN_BLOCK_D features per program; the head dim is split across
+# programs, so the scans read whole 64-128-byte segments per row.
 SCAN_BLOCK_D = 32
 SCAN_WARPS = 4
-# The forward v̄ scan in two levels over key chunks of VBAR_CHUNK: every chunk's sum
-# in parallel, then per chunk the sums before it (SCAN_PREFIX_CHUNKS per step: one
-# step up to 16 chunks, N 2048) and an in-chunk cumsum; no step is carried across
-# the sequence, and B·H_kv·cdiv(D, 32)·cdiv(N, 128) programs run side by side.
+# The v̄ scan and its gradient's suffix scan, each in two levels over chunks of
+# VBAR_CHUNK positions: every chunk's sum in parallel, then per chunk the sums before
+# (after) it, SCAN_PREFIX_CHUNKS per step (one step up to 16 chunks, S 2048), and an
+# in-chunk cumsum; no step is carried along the sequence, and
+# B·H_kv·cdiv(D, 32)·cdiv(S, 128) programs run side by side.
 VBAR_CHUNK = 128
 SCAN_PREFIX_CHUNKS = 16
 
@@ -192,39 +191,75 @@ def _vbar_expand_kernel(v_ptr, mask_ptr, csum_ptr, ccount_ptr, vbar_ptr, count_p
 
 
 @triton.jit
-def _vbar_grad_scan_kernel(g_ptr, alpha_ptr, ama_ptr, count_ptr, mask_ptr, dv_ptr, S, N, H, HKV, D, stride_mb,
-                           HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dv[j] += keep_j·Σ_{t sees j} c_t·g_t (over the kv group's heads), in place on the
-    contiguous ``[B, N, HKV, D]`` dv: a suffix scan over the queries, last block first."""
+def _weighted_upstream(g_ptr, alpha_ptr, ama_ptr, count_ptr, b, hk, t, t_ok, cols, col_ok, S, H, HKV, D,
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[T, BD] fp32: Σ over the kv group's heads of c_t·g_t, c_t = (α_ma − α_t)/N_t (0 where N_t = 0)."""
+    group = H // HKV
+    tile = t_ok[:, None] & col_ok[None, :]
+    n = tl.load(count_ptr + b * S + t, mask=t_ok, other=0.0)
+    w = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in range(0, group):
+        h = hk * group + j
+        rows = (b * S + t) * H + h
+        a = tl.load(alpha_ptr + rows, mask=t_ok, other=0.0)
+        c = tl.where(n > 0, (tl.load(ama_ptr + h) - a) / tl.maximum(n, 1.0), 0.0)
+        g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+        w += g * c[:, None]
+    return w
+
+
+@triton.jit
+def _vbar_grad_chunk_sums_kernel(g_ptr, alpha_ptr, ama_ptr, count_ptr, wsum_ptr, S, H, HKV, D, QC,
+                                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """First level of the v̄-gradient suffix scan: per query chunk of BLOCK_T, the sum
+    of the group-weighted upstream into wsum ``[B, HKV, QC, D]`` fp32."""
     pid_bk = tl.program_id(0)
     pid_d = tl.program_id(1)
+    c = tl.program_id(2)
     b = (pid_bk // HKV).to(tl.int64)
     hk = (pid_bk % HKV).to(tl.int64)
-    group = H // HKV
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    t = c * BLOCK_T + tl.arange(0, BLOCK_T)
+    w = _weighted_upstream(g_ptr, alpha_ptr, ama_ptr, count_ptr, b, hk, t, t < S, cols, col_ok, S, H, HKV, D,
+                           BLOCK_T, BLOCK_D)
+    tl.store(wsum_ptr + (pid_bk.to(tl.int64) * QC + c) * D + cols, tl.sum(w, 0), mask=col_ok)
+
+
+@triton.jit
+def _vbar_grad_expand_kernel(g_ptr, alpha_ptr, ama_ptr, count_ptr, wsum_ptr, mask_ptr, dv_ptr, S, N, H, HKV, D,
+                             QC, stride_mb,
+                             HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+    """dv[j] += keep_j·Σ_{t sees j} c_t·g_t (over the kv group's heads), in place on the
+    contiguous ``[B, N, HKV, D]`` dv. Programs c < QC take query chunk c: the sums of
+    the chunks after it (BLOCK_C per step) plus an in-chunk reverse ``tl.cumsum``;
+    programs c ≥ QC take cached-key chunk c − QC, which every query sees: all sums."""
+    pid_bk = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    c = tl.program_id(2)
+    b = (pid_bk // HKV).to(tl.int64)
+    hk = (pid_bk % HKV).to(tl.int64)
     past = N - S
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
     steps = tl.arange(0, BLOCK_T)
     total = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    blocks = tl.cdiv(S, BLOCK_T)
-    for i in range(0, blocks):
-        t = (blocks - 1 - i) * BLOCK_T + steps
+    chunk_rows = pid_bk.to(tl.int64) * QC
+    for start in range(tl.where(c < QC, c + 1, 0), QC, BLOCK_C):
+        later = start + tl.arange(0, BLOCK_C)
+        part = tl.load(wsum_ptr + (chunk_rows + later)[:, None] * D + cols[None, :],
+                       mask=(later < QC)[:, None] & col_ok[None, :], other=0.0)
+        total += tl.sum(part, 0)
+    if c < QC:
+        t = c * BLOCK_T + steps
         t_ok = t < S
-        tile = t_ok[:, None] & col_ok[None, :]
-        n = tl.load(count_ptr + b * S + t, mask=t_ok, other=0.0)
-        w = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for j in range(0, group):
-            h = hk * group + j
-            rows = (b * S + t) * H + h
-            a = tl.load(alpha_ptr + rows, mask=t_ok, other=0.0)
-            c = tl.where(n > 0, (tl.load(ama_ptr + h) - a) / tl.maximum(n, 1.0), 0.0)
-            g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=tile, other=0.0).to(tl.float32)
-            w += g * c[:, None]
+        w = _weighted_upstream(g_ptr, alpha_ptr, ama_ptr, count_ptr, b, hk, t, t_ok, cols, col_ok, S, H, HKV, D,
+                               BLOCK_T, BLOCK_D)
         suffix = total[None, :] + tl.cumsum(w, 0, reverse=True)
-        total += tl.sum(w, 0)
         _add_where_kept(dv_ptr, mask_ptr, b, hk, past + t, t_ok, cols, col_ok, N, HKV, D, stride_mb, suffix, HAS_MASK)
-    for start in range(0, past, BLOCK_T):                        # cached keys: every query sees them
-        keys = start + steps
+    else:
+        keys = (c - QC) * BLOCK_T + steps
         _add_where_kept(dv_ptr, mask_ptr, b, hk, keys, keys < past, cols, col_ok, N, HKV, D, stride_mb,
                         total[None, :], HAS_MASK)
 
@@ -270,6 +305,24 @@ def _running_mean(v: torch.Tensor, key_mask: torch.Tensor | None, queries: int):
     return vbar, count
 
 
+def _running_mean_grad(g, alpha, alpha_ma, count, key_mask, dv) -> None:
+    """Adds the v̄ path into the contiguous dv ``[B, N, H_kv, D]`` in place: a two-level
+    suffix scan over query chunks of VBAR_CHUNK (chunk sums, then per chunk the sums
+    after it and an in-chunk reverse cumsum), plus the cached-key chunks."""
+    B, S, H, D = g.shape
+    N, HKV = dv.shape[1], dv.shape[2]
+    chunks = triton.cdiv(S, VBAR_CHUNK)
+    wsum = empty((B, HKV, chunks, D), dtype=torch.float32, device=g.device)
+    grid = _scan_grid(B, HKV, D)
+    const = dict(BLOCK_T=VBAR_CHUNK, BLOCK_D=_scan_block_d(D), num_warps=SCAN_WARPS)
+    wrap_triton(_vbar_grad_chunk_sums_kernel)[grid + (chunks,)](
+        g, alpha, alpha_ma, count, wsum, S, H, HKV, D, chunks, **const)
+    wrap_triton(_vbar_grad_expand_kernel)[grid + (chunks + triton.cdiv(N - S, VBAR_CHUNK),)](
+        g, alpha, alpha_ma, count, wsum, key_mask, dv, S, N, H, HKV, D, chunks,
+        0 if key_mask is None else key_mask.stride(0),
+        HAS_MASK=key_mask is not None, BLOCK_C=SCAN_PREFIX_CHUNKS, **const)
+
+
 @triton_op("laminae::affine_scaled_attention_fwd", mutates_args=())
 def affine_scaled_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alpha: torch.Tensor, alpha_ma: torch.Tensor,
@@ -308,10 +361,7 @@ def _affine_scaled_attention_bwd(
     )
     dq, dk, dv = _flash.flash_backward(q, k, v, key_mask, g_scaled, lse, delta)
     dv = dv.contiguous()
-    wrap_triton(_vbar_grad_scan_kernel)[_scan_grid(B, HKV, D)](
-        g, alpha, alpha_ma, count, key_mask, dv, S, N, H, HKV, D, 0 if key_mask is None else key_mask.stride(0),
-        HAS_MASK=key_mask is not None, BLOCK_T=SCAN_BLOCK_T, BLOCK_D=_scan_block_d(D), num_warps=SCAN_WARPS,
-    )
+    _running_mean_grad(g, alpha, alpha_ma, count, key_mask, dv)
     dalpha_ma = g_vbar.sum(dim=(0, 1))
     return dq, dk, dv, dalpha, dalpha_ma
 
@@ -388,11 +438,15 @@ def static_cases() -> Iterator[StaticCase]:
                 yield StaticCase("vbar_expand", _vbar_expand_kernel,
                                  dict(scan, vbar_ptr="*fp32", count_ptr="*fp32", S="i32", N="i32", **ints),
                                  dict(const, BLOCK_C=SCAN_PREFIX_CHUNKS), SCAN_WARPS, tags={"dtype": dt})
-                const = dict(HAS_MASK=has_mask, BLOCK_T=SCAN_BLOCK_T, BLOCK_D=bd)
-                yield StaticCase("vbar_grad_scan", _vbar_grad_scan_kernel,
-                                 dict(g_ptr=p, alpha_ptr="*fp32", ama_ptr="*fp32", count_ptr="*fp32", mask_ptr="*i8",
-                                      dv_ptr=p, S="i32", N="i32", H="i32", HKV="i32", D="i32", stride_mb="i32"),
-                                 const, SCAN_WARPS, tags={"dtype": dt})
+                yield StaticCase("vbar_grad_expand", _vbar_grad_expand_kernel,
+                                 dict(g_ptr=p, alpha_ptr="*fp32", ama_ptr="*fp32", count_ptr="*fp32",
+                                      wsum_ptr="*fp32", mask_ptr="*i8", dv_ptr=p, S="i32", N="i32", H="i32",
+                                      HKV="i32", D="i32", QC="i32", stride_mb="i32"),
+                                 dict(const, BLOCK_C=SCAN_PREFIX_CHUNKS), SCAN_WARPS, tags={"dtype": dt})
+            yield StaticCase("vbar_grad_chunk_sums", _vbar_grad_chunk_sums_kernel,
+                             dict(g_ptr=p, alpha_ptr="*fp32", ama_ptr="*fp32", count_ptr="*fp32", wsum_ptr="*fp32",
+                                  S="i32", H="i32", HKV="i32", D="i32", QC="i32"),
+                             dict(BLOCK_T=VBAR_CHUNK, BLOCK_D=bd), SCAN_WARPS, tags={"dtype": dt})
     yield from _flash.static_cases(out_dtypes=("fp32",))
 
 

@@ -26,15 +26,15 @@ SMALL = _flash.FlashTiles(16, 16, 4, 16, 16, 4, 16, 16, 4)
 
 @contextmanager
 def small_tiles(enabled: bool = True):
-    """16×16 flash tiles, 8-position scan blocks and v̄ chunks, 2 chunk sums per prefix
-    step, so short sequences still span several query and key blocks, the backward
-    scan carries totals across blocks and the v̄ prefix over chunks takes several
-    steps (of cached keys and of the queries' own keys)."""
-    names = ("SCAN_BLOCK_T", "VBAR_CHUNK", "SCAN_PREFIX_CHUNKS")
+    """16×16 flash tiles, 8-position scan chunks and 2 chunk sums per prefix step, so
+    short sequences still span several query and key blocks and the v̄ scan and its
+    gradient's suffix scan take several steps over chunks (of cached keys and of the
+    queries' own keys)."""
+    names = ("VBAR_CHUNK", "SCAN_PREFIX_CHUNKS")
     original = _flash.tiles, [getattr(affine, n) for n in names]
     if enabled:
         _flash.tiles = lambda head_dim, dtype: SMALL
-        for name, value in zip(names, (8, 8, 2)):
+        for name, value in zip(names, (8, 2)):
             setattr(affine, name, value)
     try:
         yield
@@ -155,6 +155,39 @@ def test_running_mean_default_chunks_in_each_dtype(dtype, D, masked):
     expected, expected_count = _running_mean_truth(v, keep, S)
     torch.testing.assert_close(count.double(), expected_count, atol=0, rtol=0)
     torch.testing.assert_close(vbar.double(), expected, atol=2e-6, rtol=2e-6)
+
+
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D, masked", [(16, True), (16, False), (40, True), (40, False)])
+def test_running_mean_grad_default_chunks_in_each_dtype(dtype, D, masked):
+    # the v̄ path of dv in the configurations the CUDA path takes, g and dv in their
+    # own dtype against a float64 suffix sum: 2 query heads per kv head, more query
+    # chunks than one prefix step takes, a ragged last chunk, cached keys over two
+    # chunks (the second ragged), padding across a chunk boundary
+    chunk, per_step = affine.VBAR_CHUNK, affine.SCAN_PREFIX_CHUNKS
+    S, past, H = (per_step + 1) * chunk + 37, chunk + 5, 2
+    N = S + past
+    gen = torch.Generator().manual_seed(D + masked)
+    g = torch.randn(1, S, H, D, generator=gen).to(DEVICE, dtype)
+    alpha = torch.rand(1, S, H, generator=gen).to(DEVICE)
+    alpha_ma = torch.rand(H, generator=gen).to(DEVICE)
+    keep = keep_mask(1, N, gen).to(DEVICE) if masked else torch.ones(1, N, dtype=torch.bool, device=DEVICE)
+    if masked:
+        keep[0, : past + 3] = False                          # the first queries see nothing
+        keep[0, past + 2 * chunk - 3: past + 2 * chunk + 3] = False
+    count = keep.double().cumsum(1)[:, past:]
+    dv = torch.zeros(1, N, 1, D, dtype=dtype, device=DEVICE)
+    affine._running_mean_grad(g, alpha, alpha_ma, count.float(), _flash.mask_arg(keep) if masked else None, dv)
+    c = torch.where(count[..., None] > 0, (alpha_ma.double() - alpha.double()) / count.clamp_min(1)[..., None], 0.0)
+    w = (c[..., None] * g.double()).sum(2)                   # [1, S, D]
+    suffix = w.flip(1).cumsum(1).flip(1)
+    expected = torch.cat([suffix[:, :1].expand(1, past, D), suffix], 1)
+    expected = torch.where(keep[..., None], expected, 0.0)[:, :, None]
+    rtol = GRAD_RTOL[dtype]
+    torch.testing.assert_close(dv.double(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
 
 
 def test_tour_case_is_within_tolerance():
