@@ -169,7 +169,7 @@ def affine(shape, *, fused_epilogue: bool = False, two_level: bool = True) -> di
                        serial_steps=1 + math.ceil(chunks / 16), step_s=STEP_S, note=f"{chunks} chunks")]
     else:
         scan = [Launch("affine_scaled_attention", "vbar_scan", (), b * hkv * dblocks,
-                       bytes=2 * kv_bytes + b * s * 4, serial_steps=math.ceil(s / 32), step_s=STEP_S, note="serial")]
+                       bytes=3 * kv_bytes + b * s * 5, serial_steps=math.ceil(s / 32), step_s=STEP_S, note="serial")]
     fwd = [flash, *scan]
     if not fused_epilogue:
         fwd.append(Launch("affine_scaled_attention", "affine_combine", (f"BLOCK_D={bd}",), math.ceil(b * s * h / 16),
