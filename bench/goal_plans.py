@@ -137,11 +137,13 @@ def elo(shape, *, delta_kernel: bool = True) -> dict:
     return {"fwd": fwd, "fwd+bwd": fwd + bwd}
 
 
-def affine(shape, *, fused_epilogue: bool = False, scan_chunks: int = 1) -> dict:
+def affine(shape, *, fused_epilogue: bool = False, two_level: bool = True) -> dict:
     """Affine-scaled attention's forward: the flash core writing O_flash in fp32, the v̄
     scan and the combine kernel. ``fused_epilogue``: the combine folded into the flash
     epilogue (O written once in bf16, no fp32 round trip, one launch fewer);
-    ``scan_chunks``: a two-level v̄ scan over that many chunks per sequence."""
+    ``two_level``: the v̄ scan over key chunks of 128 (chunk sums, then per chunk the
+    prefix over chunks, 16 chunk sums per step, and an in-chunk cumsum), else the
+    serial scan of 32-key steps it replaced."""
     b, s, h, hkv, d = shape
     bd = max(16, 1 << (d - 1).bit_length())
     q_bytes, kv_bytes = _bytes(shape)
@@ -154,10 +156,21 @@ def affine(shape, *, fused_epilogue: bool = False, scan_chunks: int = 1) -> dict
                    alu_slots=b * h * _elements(tiles, bm, bn) * (6 + MUFU),
                    bytes=q_bytes + 2 * kv_bytes + o_bytes + (kv_bytes if fused_epilogue else 0),
                    serial_steps=math.ceil(s / bn), note=f"{bm}×{bn}")
-    steps = math.ceil(s / 32 / scan_chunks) + (scan_chunks if scan_chunks > 1 else 0)
-    scan = Launch("affine_scaled_attention", "vbar_scan", (), b * hkv * math.ceil(d / 32) * scan_chunks,
-                  bytes=2 * kv_bytes + b * s * 4, serial_steps=steps, step_s=STEP_S, note=f"{scan_chunks} chunk(s)")
-    fwd = [flash, scan]
+    dblocks = math.ceil(d / 32)
+    if two_level:
+        chunks = math.ceil(s / 128)
+        programs = b * hkv * dblocks * chunks
+        sums_bytes = b * hkv * chunks * d * 4
+        prefix_bytes = b * hkv * d * 4 * chunks * (chunks - 1) // 2
+        scan = [Launch("affine_scaled_attention", "vbar_chunk_sums", (), programs, bytes=kv_bytes + b * s + sums_bytes,
+                       serial_steps=1, step_s=STEP_S, note=f"{chunks} chunks"),
+                Launch("affine_scaled_attention", "vbar_expand", (), programs,
+                       bytes=kv_bytes + b * s + prefix_bytes + 2 * kv_bytes + b * s * 4,
+                       serial_steps=1 + math.ceil(chunks / 16), step_s=STEP_S, note=f"{chunks} chunks")]
+    else:
+        scan = [Launch("affine_scaled_attention", "vbar_scan", (), b * hkv * dblocks,
+                       bytes=3 * kv_bytes + b * s * 5, serial_steps=math.ceil(s / 32), step_s=STEP_S, note="serial")]
+    fwd = [flash, *scan]
     if not fused_epilogue:
         fwd.append(Launch("affine_scaled_attention", "affine_combine", (f"BLOCK_D={bd}",), math.ceil(b * s * h / 16),
                           bytes=2 * q_bytes + kv_bytes + q_bytes + b * s * h * 4, note="combine"))

@@ -187,8 +187,9 @@ def estimate_rows(measured: list[dict] | None = None, entries: list | None = Non
                 ("derf_attention", "after", lambda s: plans.derf(s, split=True)),
                 ("elo_attention", "before", lambda s: plans.elo(s, delta_kernel=False)),
                 ("elo_attention", "after", lambda s: plans.elo(s)),
-                ("affine_scaled_attention", "now", lambda s: plans.affine(s)),
-                ("affine_scaled_attention", "projected", lambda s: plans.affine(s, fused_epilogue=True, scan_chunks=16))]
+                ("affine_scaled_attention", "before", lambda s: plans.affine(s, two_level=False)),
+                ("affine_scaled_attention", "after", lambda s: plans.affine(s)),
+                ("affine_scaled_attention", "projected", lambda s: plans.affine(s, fused_epilogue=True))]
     out = []
     for shape in plans.GOAL:
         sid = plans.goal_id(shape)

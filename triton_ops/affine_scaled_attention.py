@@ -3,23 +3,25 @@ row-wise and sequence-scan epilogues, through the identity
 
     O = α·(P·V) + (α_ma − α)·v̄          v̄_t = mean of the values visible to query t
 
-Forward   a scan kernel, grid (B·H_kv, head-dim blocks), walks the keys in blocks of
-          SCAN_BLOCK_T: an in-block ``tl.cumsum`` plus a carried fp32 running total
-          gives the visible-key sum and count N_t (cached keys first, then the
-          queries' own keys), so it writes v̄ ``[B, S, H_kv, D]`` and N_t ``[B, S]`` in
-          one read of v and the keep mask. O_flash = P·V (fp32) and the log-sum-exp by
+Forward   a two-level scan over key chunks of VBAR_CHUNK (cached keys first, then
+          the queries' own keys), grid (B·H_kv, head-dim blocks, chunks) for both
+          levels: each chunk's kept-value sum and kept-key count; then per chunk the
+          sums of the chunks before it plus an in-chunk ``tl.cumsum`` give the
+          visible-key sum and count N_t, so v̄ ``[B, S, H_kv, D]`` and N_t ``[B, S]``
+          are written from two reads of v and the keep mask with no step carried
+          along the sequence. O_flash = P·V (fp32) and the log-sum-exp by
           ``_flash``; one row-wise kernel writes ``out = α·O_flash + (α_ma − α)·v̄`` in
           the input dtype.
 Backward  one row-wise kernel reads the upstream g once and writes
             g′ = α·g                     (the flash backward's upstream),
             δ  = Σ_d g′·O_flash          (its row term),
             dα = Σ_d g·(O_flash − v̄),   dα_ma partials Σ_d g·v̄;
-          the flash backward with g′ gives dq, dk, dv; the reverse scan kernel adds
+          the flash backward with g′ gives dq, dk, dv; a two-level suffix scan adds
           the v̄ path into dv in place: key j gets Σ over the queries t that see it
           of c_t·g_t, c_t = (α_ma − α_t)/N_t, summed over the heads of its kv group,
-          which is a suffix sum over t (``tl.cumsum(..., reverse=True)`` plus a carried
-          total) read at the first query that sees j (t = j − (N − S), or 0 for
-          cached keys), zero on padding keys.
+          which is a suffix sum over t (per query chunk: the sums of the later
+          chunks plus ``tl.cumsum(..., reverse=True)``) read at the first query that
+          sees j (t = j − (N − S), or 0 for cached keys), zero on padding keys.
 A query with no visible key has N_t = 0: its output, v̄ and c_t are 0. Padding
 contents never reach kept positions (masked with ``where``, never by multiplying).
 No torch pass over a full-size tensor remains around the flash core.
@@ -44,12 +46,17 @@ __all__ = ["affine_scaled_attention", "affine_scaled_attention_fwd"]
 
 ROW_BLOCK = 16
 ROW_WARPS = 4
-# Scan tiles: SCAN_BLOCK_T positions × at most SCAN_BLOCK_D features per step; the
-# head dim is split across programs, so the scans read whole 64-128-byte segments
-# per row and B·H_kv·cdiv(D, SCAN_BLOCK_D) programs run side by side.
-SCAN_BLOCK_T = 32
+# Scan tiles: at most SCAN_BLOCK_D features per program; the head dim is split across
+# programs, so the scans read whole 64-128-byte segments per row.
 SCAN_BLOCK_D = 32
 SCAN_WARPS = 4
+# The v̄ scan and its gradient's suffix scan, each in two levels over chunks of
+# VBAR_CHUNK positions: every chunk's sum in parallel, then per chunk the sums before
+# (after) it, SCAN_PREFIX_CHUNKS per step (one step up to 16 chunks, S 2048), and an
+# in-chunk cumsum; no step is carried along the sequence, and
+# B·H_kv·cdiv(D, 32)·cdiv(S, 128) programs run side by side.
+VBAR_CHUNK = 128
+SCAN_PREFIX_CHUNKS = 16
 
 
 @triton.jit
@@ -121,77 +128,138 @@ def _kept_values(v_ptr, mask_ptr, b, hk, keys, key_ok, cols, col_ok, stride_vb, 
 
 
 @triton.jit
-def _vbar_scan_kernel(v_ptr, mask_ptr, vbar_ptr, count_ptr, S, N, HKV, D,
-                      stride_vb, stride_vn, stride_vh, stride_mb,
-                      HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """v̄ ``[B, S, HKV, D]`` fp32 (contiguous) and, from the programs of kv head 0 and
-    the first feature block, N_t ``[B, S]`` fp32: a causal prefix scan over the keys."""
+def _vbar_chunk_sums_kernel(v_ptr, mask_ptr, csum_ptr, ccount_ptr, N, HKV, D, NC,
+                            stride_vb, stride_vn, stride_vh, stride_mb,
+                            HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """First level of the v̄ scan, one program per (b·kv head, feature block, key chunk
+    of BLOCK_T): the chunk's kept-value sum into csum ``[B, HKV, NC, D]`` fp32 and, from
+    kv head 0's first feature block, its kept-key count into ccount ``[B, NC]`` fp32."""
     pid_bk = tl.program_id(0)
     pid_d = tl.program_id(1)
+    c = tl.program_id(2)
     b = (pid_bk // HKV).to(tl.int64)
     hk = (pid_bk % HKV).to(tl.int64)
-    past = N - S
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
-    steps = tl.arange(0, BLOCK_T)
-    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    seen = tl.sum(tl.zeros((BLOCK_T,), dtype=tl.float32), 0)    # kept keys so far (fp32 scalar)
-    for start in range(0, past, BLOCK_T):                        # cached keys: totals only
-        keys = start + steps
-        v, kept = _kept_values(v_ptr, mask_ptr, b, hk, keys, keys < past, cols, col_ok,
-                               stride_vb, stride_vn, stride_vh, stride_mb, HAS_MASK)
-        total += tl.sum(v, 0)
-        seen += tl.sum(kept, 0)
-    write_count = (pid_d == 0) & (hk == 0)
-    for start in range(0, S, BLOCK_T):                           # the queries' own keys
-        t = start + steps
-        t_ok = t < S
-        v, kept = _kept_values(v_ptr, mask_ptr, b, hk, past + t, t_ok, cols, col_ok,
-                               stride_vb, stride_vn, stride_vh, stride_mb, HAS_MASK)
-        vsum = total[None, :] + tl.cumsum(v, 0)
-        count = seen + tl.cumsum(kept, 0)
-        vbar = vsum / tl.maximum(count, 1.0)[:, None]           # N_t = 0 ⇒ vsum = 0 ⇒ v̄ = 0
-        rows = (b * S + t) * HKV + hk
-        tl.store(vbar_ptr + rows[:, None] * D + cols[None, :], vbar, mask=t_ok[:, None] & col_ok[None, :])
-        tl.store(count_ptr + b * S + t, count, mask=t_ok & write_count)
-        total += tl.sum(v, 0)
-        seen += tl.sum(kept, 0)
+    keys = c * BLOCK_T + tl.arange(0, BLOCK_T)
+    v, kept = _kept_values(v_ptr, mask_ptr, b, hk, keys, keys < N, cols, col_ok,
+                           stride_vb, stride_vn, stride_vh, stride_mb, HAS_MASK)
+    tl.store(csum_ptr + (pid_bk.to(tl.int64) * NC + c) * D + cols, tl.sum(v, 0), mask=col_ok)
+    tl.store(ccount_ptr + b * NC + c, tl.sum(kept, 0), mask=(pid_d == 0) & (hk == 0))
 
 
 @triton.jit
-def _vbar_grad_scan_kernel(g_ptr, alpha_ptr, ama_ptr, count_ptr, mask_ptr, dv_ptr, S, N, H, HKV, D, stride_mb,
-                           HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dv[j] += keep_j·Σ_{t sees j} c_t·g_t (over the kv group's heads), in place on the
-    contiguous ``[B, N, HKV, D]`` dv: a suffix scan over the queries, last block first."""
+def _vbar_expand_kernel(v_ptr, mask_ptr, csum_ptr, ccount_ptr, vbar_ptr, count_ptr, S, N, HKV, D, NC,
+                        stride_vb, stride_vn, stride_vh, stride_mb,
+                        HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                        BLOCK_C: tl.constexpr):
+    """Second level: the sums of the chunks before this one (BLOCK_C chunk rows per
+    step, ⌈c / BLOCK_C⌉ steps) plus an in-chunk ``tl.cumsum`` give the visible-key sum
+    and count N_t; writes v̄ ``[B, S, HKV, D]`` fp32 (contiguous) and N_t ``[B, S]``
+    fp32 at the chunk's query positions (key j is query j − (N − S))."""
     pid_bk = tl.program_id(0)
     pid_d = tl.program_id(1)
+    c = tl.program_id(2)
+    past = N - S
+    if (c + 1) * BLOCK_T <= past:                                # cached keys only: no query here
+        return
     b = (pid_bk // HKV).to(tl.int64)
     hk = (pid_bk % HKV).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    seen = tl.sum(tl.zeros((BLOCK_C,), dtype=tl.float32), 0)    # kept keys before the chunk (fp32 scalar)
+    chunk_rows = pid_bk.to(tl.int64) * NC
+    for start in range(0, c, BLOCK_C):
+        prev = start + tl.arange(0, BLOCK_C)
+        prev_ok = prev < c
+        part = tl.load(csum_ptr + (chunk_rows + prev)[:, None] * D + cols[None, :],
+                       mask=prev_ok[:, None] & col_ok[None, :], other=0.0)
+        total += tl.sum(part, 0)
+        seen += tl.sum(tl.load(ccount_ptr + b * NC + prev, mask=prev_ok, other=0.0), 0)
+    keys = c * BLOCK_T + tl.arange(0, BLOCK_T)
+    v, kept = _kept_values(v_ptr, mask_ptr, b, hk, keys, keys < N, cols, col_ok,
+                           stride_vb, stride_vn, stride_vh, stride_mb, HAS_MASK)
+    vsum = total[None, :] + tl.cumsum(v, 0)
+    count = seen + tl.cumsum(kept, 0)
+    vbar = vsum / tl.maximum(count, 1.0)[:, None]               # N_t = 0 ⇒ vsum = 0 ⇒ v̄ = 0
+    t = keys - past
+    t_ok = (t >= 0) & (keys < N)
+    rows = (b * S + t) * HKV + hk
+    tl.store(vbar_ptr + rows[:, None] * D + cols[None, :], vbar, mask=t_ok[:, None] & col_ok[None, :])
+    tl.store(count_ptr + b * S + t, count, mask=t_ok & (pid_d == 0) & (hk == 0))
+
+
+@triton.jit
+def _weighted_upstream(g_ptr, alpha_ptr, ama_ptr, count_ptr, b, hk, t, t_ok, cols, col_ok, S, H, HKV, D,
+                       BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[T, BD] fp32: Σ over the kv group's heads of c_t·g_t, c_t = (α_ma − α_t)/N_t (0 where N_t = 0)."""
     group = H // HKV
+    tile = t_ok[:, None] & col_ok[None, :]
+    n = tl.load(count_ptr + b * S + t, mask=t_ok, other=0.0)
+    w = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for j in range(0, group):
+        h = hk * group + j
+        rows = (b * S + t) * H + h
+        a = tl.load(alpha_ptr + rows, mask=t_ok, other=0.0)
+        c = tl.where(n > 0, (tl.load(ama_ptr + h) - a) / tl.maximum(n, 1.0), 0.0)
+        g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=tile, other=0.0).to(tl.float32)
+        w += g * c[:, None]
+    return w
+
+
+@triton.jit
+def _vbar_grad_chunk_sums_kernel(g_ptr, alpha_ptr, ama_ptr, count_ptr, wsum_ptr, S, H, HKV, D, QC,
+                                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """First level of the v̄-gradient suffix scan: per query chunk of BLOCK_T, the sum
+    of the group-weighted upstream into wsum ``[B, HKV, QC, D]`` fp32."""
+    pid_bk = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    c = tl.program_id(2)
+    b = (pid_bk // HKV).to(tl.int64)
+    hk = (pid_bk % HKV).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    col_ok = cols < D
+    t = c * BLOCK_T + tl.arange(0, BLOCK_T)
+    w = _weighted_upstream(g_ptr, alpha_ptr, ama_ptr, count_ptr, b, hk, t, t < S, cols, col_ok, S, H, HKV, D,
+                           BLOCK_T, BLOCK_D)
+    tl.store(wsum_ptr + (pid_bk.to(tl.int64) * QC + c) * D + cols, tl.sum(w, 0), mask=col_ok)
+
+
+@triton.jit
+def _vbar_grad_expand_kernel(g_ptr, alpha_ptr, ama_ptr, count_ptr, wsum_ptr, mask_ptr, dv_ptr, S, N, H, HKV, D,
+                             QC, stride_mb,
+                             HAS_MASK: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK_C: tl.constexpr):
+    """dv[j] += keep_j·Σ_{t sees j} c_t·g_t (over the kv group's heads), in place on the
+    contiguous ``[B, N, HKV, D]`` dv. Programs c < QC take query chunk c: the sums of
+    the chunks after it (BLOCK_C per step) plus an in-chunk reverse ``tl.cumsum``;
+    programs c ≥ QC take cached-key chunk c − QC, which every query sees: all sums."""
+    pid_bk = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    c = tl.program_id(2)
+    b = (pid_bk // HKV).to(tl.int64)
+    hk = (pid_bk % HKV).to(tl.int64)
     past = N - S
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < D
     steps = tl.arange(0, BLOCK_T)
     total = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    blocks = tl.cdiv(S, BLOCK_T)
-    for i in range(0, blocks):
-        t = (blocks - 1 - i) * BLOCK_T + steps
+    chunk_rows = pid_bk.to(tl.int64) * QC
+    for start in range(tl.where(c < QC, c + 1, 0), QC, BLOCK_C):
+        later = start + tl.arange(0, BLOCK_C)
+        part = tl.load(wsum_ptr + (chunk_rows + later)[:, None] * D + cols[None, :],
+                       mask=(later < QC)[:, None] & col_ok[None, :], other=0.0)
+        total += tl.sum(part, 0)
+    if c < QC:
+        t = c * BLOCK_T + steps
         t_ok = t < S
-        tile = t_ok[:, None] & col_ok[None, :]
-        n = tl.load(count_ptr + b * S + t, mask=t_ok, other=0.0)
-        w = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for j in range(0, group):
-            h = hk * group + j
-            rows = (b * S + t) * H + h
-            a = tl.load(alpha_ptr + rows, mask=t_ok, other=0.0)
-            c = tl.where(n > 0, (tl.load(ama_ptr + h) - a) / tl.maximum(n, 1.0), 0.0)
-            g = tl.load(g_ptr + rows[:, None] * D + cols[None, :], mask=tile, other=0.0).to(tl.float32)
-            w += g * c[:, None]
+        w = _weighted_upstream(g_ptr, alpha_ptr, ama_ptr, count_ptr, b, hk, t, t_ok, cols, col_ok, S, H, HKV, D,
+                               BLOCK_T, BLOCK_D)
         suffix = total[None, :] + tl.cumsum(w, 0, reverse=True)
-        total += tl.sum(w, 0)
         _add_where_kept(dv_ptr, mask_ptr, b, hk, past + t, t_ok, cols, col_ok, N, HKV, D, stride_mb, suffix, HAS_MASK)
-    for start in range(0, past, BLOCK_T):                        # cached keys: every query sees them
-        keys = start + steps
+    else:
+        keys = (c - QC) * BLOCK_T + steps
         _add_where_kept(dv_ptr, mask_ptr, b, hk, keys, keys < past, cols, col_ok, N, HKV, D, stride_mb,
                         total[None, :], HAS_MASK)
 
@@ -220,16 +288,39 @@ def _scan_block_d(head_dim: int) -> int:
 
 
 def _running_mean(v: torch.Tensor, key_mask: torch.Tensor | None, queries: int):
-    """(v̄ ``[B, S, H_kv, D]`` fp32, N_t ``[B, S]`` fp32) for the last ``queries`` positions."""
+    """(v̄ ``[B, S, H_kv, D]`` fp32, N_t ``[B, S]`` fp32) for the last ``queries`` positions:
+    a two-level scan over key chunks of VBAR_CHUNK, both levels parallel over chunks."""
     B, N, HKV, D = v.shape
+    chunks = triton.cdiv(N, VBAR_CHUNK)
     vbar = empty((B, queries, HKV, D), dtype=torch.float32, device=v.device)
     count = empty((B, queries), dtype=torch.float32, device=v.device)
-    wrap_triton(_vbar_scan_kernel)[_scan_grid(B, HKV, D)](
-        v, key_mask, vbar, count, queries, N, HKV, D, v.stride(0), v.stride(1), v.stride(2),
-        0 if key_mask is None else key_mask.stride(0),
-        HAS_MASK=key_mask is not None, BLOCK_T=SCAN_BLOCK_T, BLOCK_D=_scan_block_d(D), num_warps=SCAN_WARPS,
-    )
+    csum = empty((B, HKV, chunks, D), dtype=torch.float32, device=v.device)
+    ccount = empty((B, chunks), dtype=torch.float32, device=v.device)
+    grid = _scan_grid(B, HKV, D) + (chunks,)
+    strides = (v.stride(0), v.stride(1), v.stride(2), 0 if key_mask is None else key_mask.stride(0))
+    const = dict(HAS_MASK=key_mask is not None, BLOCK_T=VBAR_CHUNK, BLOCK_D=_scan_block_d(D), num_warps=SCAN_WARPS)
+    wrap_triton(_vbar_chunk_sums_kernel)[grid](v, key_mask, csum, ccount, N, HKV, D, chunks, *strides, **const)
+    wrap_triton(_vbar_expand_kernel)[grid](v, key_mask, csum, ccount, vbar, count, queries, N, HKV, D, chunks,
+                                           *strides, BLOCK_C=SCAN_PREFIX_CHUNKS, **const)
     return vbar, count
+
+
+def _running_mean_grad(g, alpha, alpha_ma, count, key_mask, dv) -> None:
+    """Adds the v̄ path into the contiguous dv ``[B, N, H_kv, D]`` in place: a two-level
+    suffix scan over query chunks of VBAR_CHUNK (chunk sums, then per chunk the sums
+    after it and an in-chunk reverse cumsum), plus the cached-key chunks."""
+    B, S, H, D = g.shape
+    N, HKV = dv.shape[1], dv.shape[2]
+    chunks = triton.cdiv(S, VBAR_CHUNK)
+    wsum = empty((B, HKV, chunks, D), dtype=torch.float32, device=g.device)
+    grid = _scan_grid(B, HKV, D)
+    const = dict(BLOCK_T=VBAR_CHUNK, BLOCK_D=_scan_block_d(D), num_warps=SCAN_WARPS)
+    wrap_triton(_vbar_grad_chunk_sums_kernel)[grid + (chunks,)](
+        g, alpha, alpha_ma, count, wsum, S, H, HKV, D, chunks, **const)
+    wrap_triton(_vbar_grad_expand_kernel)[grid + (chunks + triton.cdiv(N - S, VBAR_CHUNK),)](
+        g, alpha, alpha_ma, count, wsum, key_mask, dv, S, N, H, HKV, D, chunks,
+        0 if key_mask is None else key_mask.stride(0),
+        HAS_MASK=key_mask is not None, BLOCK_C=SCAN_PREFIX_CHUNKS, **const)
 
 
 @triton_op("laminae::affine_scaled_attention_fwd", mutates_args=())
@@ -270,10 +361,7 @@ def _affine_scaled_attention_bwd(
     )
     dq, dk, dv = _flash.flash_backward(q, k, v, key_mask, g_scaled, lse, delta)
     dv = dv.contiguous()
-    wrap_triton(_vbar_grad_scan_kernel)[_scan_grid(B, HKV, D)](
-        g, alpha, alpha_ma, count, key_mask, dv, S, N, H, HKV, D, 0 if key_mask is None else key_mask.stride(0),
-        HAS_MASK=key_mask is not None, BLOCK_T=SCAN_BLOCK_T, BLOCK_D=_scan_block_d(D), num_warps=SCAN_WARPS,
-    )
+    _running_mean_grad(g, alpha, alpha_ma, count, key_mask, dv)
     dalpha_ma = g_vbar.sum(dim=(0, 1))
     return dq, dk, dv, dalpha, dalpha_ma
 
@@ -341,15 +429,24 @@ def static_cases() -> Iterator[StaticCase]:
                              const, ROW_WARPS, tags={"dtype": dt})
         for bd in sorted({_scan_block_d(d) for d in (16, 32, 64, 128, 256)}):
             for has_mask in (False, True):
-                const = dict(HAS_MASK=has_mask, BLOCK_T=SCAN_BLOCK_T, BLOCK_D=bd)
-                yield StaticCase("vbar_scan", _vbar_scan_kernel,
-                                 dict(v_ptr=p, mask_ptr="*i8", vbar_ptr="*fp32", count_ptr="*fp32", S="i32", N="i32",
-                                      HKV="i32", D="i32", stride_vb="i32", stride_vn="i32", stride_vh="i32",
-                                      stride_mb="i32"), const, SCAN_WARPS, tags={"dtype": dt})
-                yield StaticCase("vbar_grad_scan", _vbar_grad_scan_kernel,
-                                 dict(g_ptr=p, alpha_ptr="*fp32", ama_ptr="*fp32", count_ptr="*fp32", mask_ptr="*i8",
-                                      dv_ptr=p, S="i32", N="i32", H="i32", HKV="i32", D="i32", stride_mb="i32"),
-                                 const, SCAN_WARPS, tags={"dtype": dt})
+                const = dict(HAS_MASK=has_mask, BLOCK_T=VBAR_CHUNK, BLOCK_D=bd)
+                scan = dict(v_ptr=p, mask_ptr="*i8", csum_ptr="*fp32", ccount_ptr="*fp32")
+                ints = dict(HKV="i32", D="i32", NC="i32", stride_vb="i32", stride_vn="i32", stride_vh="i32",
+                            stride_mb="i32")
+                yield StaticCase("vbar_chunk_sums", _vbar_chunk_sums_kernel, dict(scan, N="i32", **ints), const,
+                                 SCAN_WARPS, tags={"dtype": dt})
+                yield StaticCase("vbar_expand", _vbar_expand_kernel,
+                                 dict(scan, vbar_ptr="*fp32", count_ptr="*fp32", S="i32", N="i32", **ints),
+                                 dict(const, BLOCK_C=SCAN_PREFIX_CHUNKS), SCAN_WARPS, tags={"dtype": dt})
+                yield StaticCase("vbar_grad_expand", _vbar_grad_expand_kernel,
+                                 dict(g_ptr=p, alpha_ptr="*fp32", ama_ptr="*fp32", count_ptr="*fp32",
+                                      wsum_ptr="*fp32", mask_ptr="*i8", dv_ptr=p, S="i32", N="i32", H="i32",
+                                      HKV="i32", D="i32", QC="i32", stride_mb="i32"),
+                                 dict(const, BLOCK_C=SCAN_PREFIX_CHUNKS), SCAN_WARPS, tags={"dtype": dt})
+            yield StaticCase("vbar_grad_chunk_sums", _vbar_grad_chunk_sums_kernel,
+                             dict(g_ptr=p, alpha_ptr="*fp32", ama_ptr="*fp32", count_ptr="*fp32", wsum_ptr="*fp32",
+                                  S="i32", H="i32", HKV="i32", D="i32", QC="i32"),
+                             dict(BLOCK_T=VBAR_CHUNK, BLOCK_D=bd), SCAN_WARPS, tags={"dtype": dt})
     yield from _flash.static_cases(out_dtypes=("fp32",))
 
 

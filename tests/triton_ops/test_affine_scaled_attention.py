@@ -26,17 +26,22 @@ SMALL = _flash.FlashTiles(16, 16, 4, 16, 16, 4, 16, 16, 4)
 
 @contextmanager
 def small_tiles(enabled: bool = True):
-    """16×16 flash tiles and 8-position scan blocks, so short sequences still span
-    several query and key blocks and the running-mean scans carry totals across
-    blocks (of cached keys and of the queries' own keys)."""
-    original = _flash.tiles, affine.SCAN_BLOCK_T
+    """16×16 flash tiles, 8-position scan chunks and 2 chunk sums per prefix step, so
+    short sequences still span several query and key blocks and the v̄ scan and its
+    gradient's suffix scan take several steps over chunks (of cached keys and of the
+    queries' own keys)."""
+    names = ("VBAR_CHUNK", "SCAN_PREFIX_CHUNKS")
+    original = _flash.tiles, [getattr(affine, n) for n in names]
     if enabled:
         _flash.tiles = lambda head_dim, dtype: SMALL
-        affine.SCAN_BLOCK_T = 8
+        for name, value in zip(names, (8, 2)):
+            setattr(affine, name, value)
     try:
         yield
     finally:
-        _flash.tiles, affine.SCAN_BLOCK_T = original
+        _flash.tiles = original[0]
+        for name, value in zip(names, original[1]):
+            setattr(affine, name, value)
 
 
 def _inputs(B, S, extra, H, Hkv, D, masked, scale, seed, dtype=torch.float32):
@@ -122,6 +127,67 @@ def test_running_mean_scan_ignores_padding_contents():
     expected = kept.cumsum(1)[:, extra:] / expected_count.clamp_min(1)[:, :, None, None]
     torch.testing.assert_close(count.double(), expected_count, atol=0, rtol=0)
     torch.testing.assert_close(vbar.double(), expected, atol=1e-6, rtol=1e-5)
+
+
+def _running_mean_truth(v, keep, queries):
+    kept = torch.where(keep.bool()[:, :, None, None], v.double(), 0.0)
+    count = keep.double().cumsum(1)[:, -queries:]
+    return kept.cumsum(1)[:, -queries:] / count.clamp_min(1)[:, :, None, None], count
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D, masked", [(16, True), (16, False), (40, True), (40, False)])
+def test_running_mean_default_chunks_in_each_dtype(dtype, D, masked):
+    # the launch configurations the CUDA path takes (VBAR_CHUNK keys per chunk, prefix
+    # steps of SCAN_PREFIX_CHUNKS, feature blocks of 16 and 32 with a ragged one at
+    # D 40, with and without a mask) on v in its own dtype against a float64 cumsum:
+    # more than SCAN_PREFIX_CHUNKS chunks so the prefix takes two steps, a ragged last
+    # chunk, and cached keys that end inside a chunk
+    chunk, per_step = affine.VBAR_CHUNK, affine.SCAN_PREFIX_CHUNKS
+    N = (per_step + 1) * chunk + 37
+    S = N - chunk - 5
+    gen = torch.Generator().manual_seed(D)
+    v = torch.randn(1, N, 1, D, generator=gen).to(DEVICE, dtype)
+    keep = keep_mask(1, N, gen).to(DEVICE) if masked else torch.ones(1, N, dtype=torch.bool, device=DEVICE)
+    if masked:
+        keep[0, 2 * chunk - 3: 2 * chunk + 3] = False        # a hole across a chunk boundary
+    vbar, count = affine._running_mean(v, _flash.mask_arg(keep) if masked else None, S)
+    expected, expected_count = _running_mean_truth(v, keep, S)
+    torch.testing.assert_close(count.double(), expected_count, atol=0, rtol=0)
+    torch.testing.assert_close(vbar.double(), expected, atol=2e-6, rtol=2e-6)
+
+
+GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D, masked", [(16, True), (16, False), (40, True), (40, False)])
+def test_running_mean_grad_default_chunks_in_each_dtype(dtype, D, masked):
+    # the v̄ path of dv in the configurations the CUDA path takes, g and dv in their
+    # own dtype against a float64 suffix sum: 2 query heads per kv head, more query
+    # chunks than one prefix step takes, a ragged last chunk, cached keys over two
+    # chunks (the second ragged), padding across a chunk boundary
+    chunk, per_step = affine.VBAR_CHUNK, affine.SCAN_PREFIX_CHUNKS
+    S, past, H = (per_step + 1) * chunk + 37, chunk + 5, 2
+    N = S + past
+    gen = torch.Generator().manual_seed(D + masked)
+    g = torch.randn(1, S, H, D, generator=gen).to(DEVICE, dtype)
+    alpha = torch.rand(1, S, H, generator=gen).to(DEVICE)
+    alpha_ma = torch.rand(H, generator=gen).to(DEVICE)
+    keep = keep_mask(1, N, gen).to(DEVICE) if masked else torch.ones(1, N, dtype=torch.bool, device=DEVICE)
+    if masked:
+        keep[0, : past + 3] = False                          # the first queries see nothing
+        keep[0, past + 2 * chunk - 3: past + 2 * chunk + 3] = False
+    count = keep.double().cumsum(1)[:, past:]
+    dv = torch.zeros(1, N, 1, D, dtype=dtype, device=DEVICE)
+    affine._running_mean_grad(g, alpha, alpha_ma, count.float(), _flash.mask_arg(keep) if masked else None, dv)
+    c = torch.where(count[..., None] > 0, (alpha_ma.double() - alpha.double()) / count.clamp_min(1)[..., None], 0.0)
+    w = (c[..., None] * g.double()).sum(2)                   # [1, S, D]
+    suffix = w.flip(1).cumsum(1).flip(1)
+    expected = torch.cat([suffix[:, :1].expand(1, past, D), suffix], 1)
+    expected = torch.where(keep[..., None], expected, 0.0)[:, :, None]
+    rtol = GRAD_RTOL[dtype]
+    torch.testing.assert_close(dv.double(), expected, rtol=rtol, atol=rtol * expected.abs().max().item())
 
 
 def test_tour_case_is_within_tolerance():
