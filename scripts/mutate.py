@@ -2,6 +2,7 @@
 """Plant small bugs in a mechanism, one at a time, and check that its tests catch each.
 
     python scripts/mutate.py stack_memory [more stems] [--jobs 1] [--only 3,7] [--json out.json]
+    python scripts/mutate.py mosrah derf --check     # stale mutants only, no test run
 
 A mutant list is ``scripts/mutants/<stem>.toml``: one ``[[mutant]]`` table per bug, with
 ``file`` (relative to the repository root), ``old`` (exact text that occurs exactly once
@@ -275,6 +276,20 @@ def try_mutant(repo: pathlib.Path, plan: Plan, mutant: Mutant, timeout: float | 
     return Outcome(mutant.id, "caught", detail, seconds, asdict(mutant))
 
 
+def check_lists(stems: list[str], root: pathlib.Path) -> int:
+    """Print every mutant whose ``old`` text no longer applies; 1 if any, else 0."""
+    stale = 0
+    for stem in stems:
+        for mutant in load_plan(stem, root).mutants:
+            target = root / mutant.file
+            why = "no such file" if not target.is_file() else mutated_text(target.read_text(), mutant)[1]
+            if why:
+                stale += 1
+                print(f"STALE: {mutant.id} {mutant.file}: {why}")
+        print(f"{stem}: checked", flush=True)
+    return 1 if stale else 0
+
+
 def baseline(repo: pathlib.Path, plan: Plan) -> float:
     rc, seconds, output = run_selection(repo, plan, None)
     if rc != 0:
@@ -322,9 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per mutant before it counts as caught (default 5 x baseline, at least 120)")
     parser.add_argument("--json", type=pathlib.Path, help="write every outcome here")
+    parser.add_argument("--check", action="store_true", help="only report stale mutants (no tests run)")
     parser.add_argument("--root", type=pathlib.Path, default=ROOT, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     root = args.root.resolve()
+    if args.check:
+        return check_lists(args.stems, root)
     results: dict[str, dict] = {}
     for stem in args.stems:
         plan = load_plan(stem, root)

@@ -84,6 +84,14 @@ def test_outcomes_on_a_fake_repository(tmp_path, capsys, monkeypatch):
     assert "STALE: fake-4" in printed and "SURVIVED: fake-2" in printed
 
 
+def test_check_reports_stale_mutants_without_running(tmp_path, capsys):
+    _fake_repository(tmp_path)
+    assert mutate.main(["fake", "--check", "--root", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.splitlines() == ["STALE: fake-4 pkg/fake.py: old text not found", "fake: checked"]
+    (tmp_path / "scripts" / "mutants" / "fake.toml").write_text(MUTANTS.split("\n\n[[mutant]]")[0])
+    assert mutate.main(["fake", "--check", "--root", str(tmp_path)]) == 0
+
+
 def test_planting_text():
     mutant = mutate.Mutant("m", "f.py", old="x", new="y")
     assert mutate.mutated_text("axbxc", mutant)[0] is None          # ambiguous without occurrence

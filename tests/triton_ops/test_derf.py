@@ -129,12 +129,15 @@ def test_attention_key_blocks_starting_inside_query_blocks(S, extra):
     assert_attention_parity(inp)
 
 
-def test_attention_reads_strided_views_and_broadcast_gradients():
+@pytest.mark.parametrize("v_layout", ["slice", "heads_first"])
+def test_attention_reads_strided_views_and_broadcast_gradients(v_layout):
     gen = torch.Generator().manual_seed(11)
     B, S, N, H, Hkv, D = 2, 9, 13, 4, 2, 16
     q = torch.randn(B, H, S, D, generator=gen).to(DEVICE).transpose(1, 2)        # non-contiguous
     buf = torch.randn(B, 20, Hkv, 2 * D, generator=gen).to(DEVICE)
     k, v = buf[:, :N, :, :D], buf[:, :N, :, D:]                                   # cache-like slices
+    if v_layout == "heads_first":   # v's key stride (D) differs from k's (2·Hkv·D)
+        v = torch.randn(B, Hkv, N, D, generator=gen).to(DEVICE).transpose(1, 2)
     params = [torch.randn(H, generator=gen).to(DEVICE) for _ in range(3)]
     mask = (torch.rand(B, N, generator=gen) > 0.2).to(torch.uint8).to(DEVICE)     # 0/1 integers
     results = []

@@ -184,6 +184,24 @@ def test_empty_segments_and_unselected_pairs_stay_zero():
     assert_parity(mosrah, mosrah_reference, x, GRADS)
 
 
+def test_dead_copies_values_never_reach_live_outputs():
+    # The kernel's own contract, below the module's sanitising of padding: a dead copy's
+    # value row may hold anything; its p is 0, and the pack keeps it out of p·v exactly.
+    gen = torch.Generator().manual_seed(4)
+    inv_freq = _inputs(1, 9, 16, 2, 1, 16)["inv_freq"]
+    keep = torch.ones(1, 9, dtype=torch.bool)
+    keep[0, [1, 4]] = False
+    cu, token, position, live = packed_layout(torch.randint(0, 2, (1, 9, 1), generator=gen), 2,
+                                              torch.arange(9)[None], keep, "main_sequence")
+    q, k, v = (torch.randn(1, 9, 2, 16, generator=gen).to(DEVICE) for _ in range(3))
+    poisoned = v.clone()
+    poisoned[~keep.to(DEVICE)] = float("nan")
+    args = (cu.to(DEVICE), token.to(DEVICE), position.to(DEVICE), live.to(DEVICE), inv_freq, 0.25)
+    z = mosrah_attention(q, k, poisoned, *args)
+    clean = mosrah_attention(q, k, v, *args)
+    torch.testing.assert_close(z[keep.to(DEVICE)], clean[keep.to(DEVICE)])
+
+
 def test_padding_nan_never_reaches_live_outputs_or_gradients():
     inputs = _inputs(2, 12, 16, 4, 2, 16, seed=5, padded=True)
     poisoned = dict(inputs)
