@@ -186,6 +186,8 @@ def xsa(y: torch.Tensor, v: torch.Tensor, *, mode: str = "normalized", eps: floa
 
 
 def static_cases() -> Iterator[StaticCase]:
+    """Every pointer is a contiguous input or a fresh output, 16-byte aligned at launch
+    (Triton specialises it: ``divisible``); D may be any head dim up to BLOCK_D."""
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
         for normalized in (True, False):
@@ -196,11 +198,12 @@ def static_cases() -> Iterator[StaticCase]:
                     tags = {"dtype": dt}
                     yield StaticCase("xsa_fwd", _xsa_fwd_kernel,
                                      dict(y_ptr=p, v_ptr=p, out_ptr=p, R="i32", G="i32", D="i32", eps="fp32"),
-                                     const, NUM_WARPS, NUM_STAGES, tags=tags)
+                                     const, NUM_WARPS, NUM_STAGES, tags=tags, divisible=("y_ptr", "v_ptr", "out_ptr"))
                     yield StaticCase("xsa_bwd", _xsa_bwd_kernel,
                                      dict(g_ptr=p, y_ptr=p, v_ptr=p, dy_ptr=p, dv_ptr=p, R="i32", G="i32",
                                           D="i32", eps="fp32"),
-                                     const, NUM_WARPS, NUM_STAGES, tags=tags)
+                                     const, NUM_WARPS, NUM_STAGES, tags=tags,
+                                     divisible=("g_ptr", "y_ptr", "v_ptr", "dy_ptr", "dv_ptr"))
 
 
 def tour_case(device: torch.device):
