@@ -214,8 +214,8 @@ def static_cases() -> Iterator[StaticCase]:
                                      dict(g_ptr=p, f_ptr=p, x_ptr=p, t_ptr=p, b_ptr=p, w_ptr="*fp32",
                                           df_ptr=p, dl_ptr=p, part_ptr="*fp32", N="i32", D="i32", R="i32"),
                                      const, NUM_WARPS, tags={"dtype": dt},
-                                     divisible=("g_ptr", "f_ptr", "x_ptr", "t_ptr", "b_ptr", "w_ptr", "df_ptr", "dl_ptr",
-                                                "part_ptr"))
+                                     divisible=("g_ptr", "f_ptr", "x_ptr", "t_ptr", "b_ptr", "w_ptr", "df_ptr",
+                                                "dl_ptr", "part_ptr"))
 
 
 def tour_case(device: torch.device):
