@@ -830,6 +830,17 @@ def _expected_mma(dtype: torch.dtype, block_d: int) -> str:
     return "HGMMA" if dtype != torch.float32 and block_d <= 128 else ""
 
 
+# Pointers every launch passes 16-byte aligned, which Triton specialises as 16-divisible:
+# fresh outputs and scratch, the fp32 parameters and the uint8 key mask built per call.
+# q, k, v and dout are taken with any strides (a slice of a fused projection is an
+# offset view), so they are not declared.
+_ALIGNED = {
+    "fwd": ("mask_ptr", "alpha_ptr", "bias_ptr", "gamma_ptr", "out_ptr", "out32_ptr", "den_ptr"),
+    "dq": ("mask_ptr", "alpha_ptr", "bias_ptr", "gamma_ptr", "delta_ptr", "den_ptr", "dq_ptr", "part_ptr"),
+    "dkdv": ("mask_ptr", "alpha_ptr", "bias_ptr", "gamma_ptr", "delta_ptr", "den_ptr", "dk_ptr", "dv_ptr"),
+}
+
+
 def static_cases() -> Iterator[StaticCase]:
     kernels = (("derf_fwd", _derf_fwd_kernel, "fwd"), ("derf_bwd_dkdv", _derf_bwd_dkdv_kernel, "dkdv"),
                ("derf_bwd_dq", _derf_bwd_dq_kernel, "dq"))
@@ -845,22 +856,27 @@ def static_cases() -> Iterator[StaticCase]:
                         const["LOW_PRECISION"] = dtype != torch.float32
                     const["SPLIT"] = _split(kind, dtype, block_d)
                     yield StaticCase(name, kernel, _attn_signature(kind, dt), const, warps, stages,
-                                     tags={"dtype": dt}, expect=_expected_mma(dtype, block_d))
+                                     tags={"dtype": dt}, expect=_expected_mma(dtype, block_d),
+                                     divisible=_ALIGNED[kind])
         p = f"*{dt}"
         for block_d in TILES[("dq", "fp32")]:
             yield StaticCase("derf_bwd_delta", _derf_bwd_delta_kernel,
                              dict(do_ptr=p, out_ptr="*fp32", delta_ptr="*fp32", S="i32", H="i32", D="i32",
                                   stride_dob="i32", stride_dos="i32", stride_doh="i32",
                                   stride_ob="i32", stride_os="i32", stride_oh="i32"),
-                             dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=block_d), DELTA_WARPS, tags={"dtype": dt})
+                             dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=block_d), DELTA_WARPS, tags={"dtype": dt},
+                             divisible=("out_ptr", "delta_ptr"))
         const = dict(BLOCK_R=GATE_BLOCK_R, BLOCK_F=GATE_BLOCK_F)
         yield StaticCase("derf_gate_fwd", _gate_fwd_kernel,
                          dict(r_ptr=p, l_ptr=p, alpha_ptr="*fp32", bias_ptr="*fp32", gamma_ptr="*fp32", out_ptr=p,
-                              R="i32", F="i32"), const, GATE_WARPS, tags={"dtype": dt})
+                              R="i32", F="i32"), const, GATE_WARPS, tags={"dtype": dt},
+                         divisible=("r_ptr", "l_ptr", "alpha_ptr", "bias_ptr", "gamma_ptr", "out_ptr"))
         yield StaticCase("derf_gate_bwd", _gate_bwd_kernel,
                          dict(g_ptr=p, r_ptr=p, l_ptr=p, alpha_ptr="*fp32", bias_ptr="*fp32", gamma_ptr="*fp32",
                               dr_ptr=p, dl_ptr=p, part_ptr="*fp32", R="i32", F="i32"),
-                         const, GATE_WARPS, tags={"dtype": dt})
+                         const, GATE_WARPS, tags={"dtype": dt},
+                         divisible=("g_ptr", "r_ptr", "l_ptr", "alpha_ptr", "bias_ptr", "gamma_ptr", "dr_ptr", "dl_ptr",
+                                    "part_ptr"))
 
 
 # ----------------------------------------------------------------------------

@@ -695,6 +695,15 @@ def launch_elo_attention(q, k, v, elo_log_k, elo_gain, prior_rating=None, attent
 # ----------------------------------------------------------------------------
 
 
+def _aligned(sig: dict, bd: int, dt: str) -> tuple[str, ...]:
+    """What Triton's launcher specialises as 16-divisible: every pointer (contiguous
+    inputs, fresh outputs and scratch are 16-byte aligned) and, at the 16-bit tiles of
+    the common head dims 64 and 128, the head dim D itself. Not declared for fp32: with
+    D aligned the fp32 out and suffix kernels at BLOCK_D 64 spill 4-8 bytes."""
+    wide = bd >= 64 and "D" in sig and dt != "fp32"
+    return tuple(k for k, v in sig.items() if v.startswith("*")) + (("D",) if wide else ())
+
+
 def static_cases() -> Iterator[StaticCase]:
     """Every (dtype, head-dim tile) configuration the six kernels launch with."""
     # activations and their gradients have the input dtype; every other pointer is fp32
@@ -723,10 +732,12 @@ def static_cases() -> Iterator[StaticCase]:
                         sig[arg] = "fp32" if arg == "scale" else "i32"
                 # every kernel is matmul-shaped: 16-bit tiles at head_dim 64/128 must build wgmma
                 yield StaticCase(f"elo_{'fwd' if name in KERNELS[:3] else 'bwd'}_{name}", kernel, sig, launch,
-                                 warps, stages, tags={"dtype": dt}, expect="" if dt == "fp32" or bd < 64 else "HGMMA")
+                                 warps, stages, tags={"dtype": dt}, expect="" if dt == "fp32" or bd < 64 else "HGMMA",
+                                 divisible=_aligned(sig, bd, dt))
             yield StaticCase("elo_bwd_delta", _elo_bwd_delta_kernel,
                              dict(do_ptr=f"*{dt}", o_ptr=f"*{dt}", delta_ptr="*fp32", S="i32", H="i32", D="i32"),
-                             dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt})
+                             dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt},
+                             divisible=("do_ptr", "o_ptr", "delta_ptr") + (("D",) if bd >= 64 and dt != "fp32" else ()))
 
 
 def tour_case(device: torch.device):

@@ -667,6 +667,17 @@ def engram_fusion(
 
 
 def static_cases() -> Iterator[StaticCase]:
+    """Each case with the pointers Triton's launcher specialises as 16-byte aligned: every
+    one but the tables t0..t7, which may be the heads of one stacked ``[H, T, D]``
+    tensor (views at offsets of T·D elements, aligned for some T·D only)."""
+    import dataclasses
+
+    for case in _static_cases():
+        aligned = tuple(k for k, v in case.signature.items() if v.startswith("*") and not k[1:].isdigit())
+        yield dataclasses.replace(case, divisible=aligned)
+
+
+def _static_cases() -> Iterator[StaticCase]:
     # (compressed/output dtype, table dtype): tables are usually fp32 master weights
     lookup_dtypes = [("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32")]
     # one launch of BLOCK_H heads (1..8 heads); more heads: launches of GROUP_HEADS that

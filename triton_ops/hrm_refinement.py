@@ -289,6 +289,25 @@ def hrm_refinement(
     return states.view(gate.shape[0], *shape)
 
 
+# Pointers every launch passes 16-byte aligned (fresh allocations, contiguous inputs,
+# parameters), which Triton specialises as 16-divisible. Not listed: the per-step views
+# ``states[t]``, ``rstd[t]``, ``z[t]``, ``gate_part[t]`` and ``g_states[t]``, whose
+# offsets are multiples of the row count (aligned only for some N).
+FWD_ALIGNED = ("u_ptr", "c_ptr", "w_ptr", "n_ptr")
+BWD_ALIGNED = ("dn_ptr", "w_ptr", "delta_ptr", "dw_part_ptr")
+SILU_FWD_ALIGNED = ("z_ptr", "s_ptr")
+SILU_BWD_ALIGNED = ("q_ptr", "c_ptr", "dz_ptr", "dzr_ptr", "cs_ptr", "da_ptr")
+
+
+# At model widths (a row tile of 1024 and more) D is a multiple of 16 in the common case,
+# which Triton specialises too, and then a step of a stacked [T, N, D] tensor starts
+# 16-byte aligned as well. Without it only the weight row's loads vectorise: the fp32
+# backward at BLOCK_D 8192 then converts layouts and spills at 32 warps' 64 registers.
+WIDE = 1024
+FWD_WIDE = ("D", "h_prev_ptr", "h_ptr")
+BWD_WIDE = ("D", "h_ptr", "g_ptr")
+
+
 def static_cases() -> Iterator[StaticCase]:
     block_ds = [2**k for k in range(4, 14)]  # 16 … 8192
     fwd_flags = {"update+norm": (True, True), "norm": (False, True), "update": (True, False)}
@@ -302,17 +321,18 @@ def static_cases() -> Iterator[StaticCase]:
             for label, (update, norm) in fwd_flags.items():
                 yield StaticCase("hrm_row_fwd", _hrm_row_fwd_kernel, fwd_sig,
                                  dict(HAS_UPDATE=update, HAS_NORM=norm, BLOCK_D=block_d), row_warps(block_d),
-                                 tags={"dtype": dt, "flags": label})
+                                 tags={"dtype": dt, "flags": label},
+                                 divisible=FWD_ALIGNED + (FWD_WIDE if block_d >= WIDE else ()))
             for has_grad in (True, False):
                 yield StaticCase("hrm_row_bwd", _hrm_row_bwd_kernel, bwd_sig,
                                  dict(HAS_GRAD=has_grad, BLOCK_D=block_d), row_bwd_warps(block_d),
-                                 tags={"dtype": dt})
+                                 tags={"dtype": dt}, divisible=BWD_ALIGNED + (BWD_WIDE if block_d >= WIDE else ()))
         yield StaticCase("hrm_silu_fwd", _silu_fwd_kernel, dict(z_ptr=p, s_ptr=p, numel="i32"),
-                         dict(BLOCK=ACT_BLOCK), 4, tags={"dtype": dt})
+                         dict(BLOCK=ACT_BLOCK), 4, tags={"dtype": dt}, divisible=SILU_FWD_ALIGNED)
         yield StaticCase("hrm_silu_bwd", _silu_bwd_kernel,
                          dict(q_ptr=p, z_ptr=p, rstd_ptr="*fp32", c_ptr="*fp32", dz_ptr=p, dzr_ptr=p, cs_ptr=p,
                               da_ptr="*fp32", part_ptr="*fp32", numel="i32", R="i32", step="i32"),
-                         dict(BLOCK=ACT_BLOCK), 4, tags={"dtype": dt})
+                         dict(BLOCK=ACT_BLOCK), 4, tags={"dtype": dt}, divisible=SILU_BWD_ALIGNED)
 
 
 def tour_case(device: torch.device):

@@ -197,6 +197,8 @@ def laurel(
 
 
 def static_cases() -> Iterator[StaticCase]:
+    """Every pointer is a fresh or contiguous tensor (16-byte aligned at launch, which
+    Triton specialises: ``divisible``); N, D and the rank vary, so none is declared."""
     for dt in ("fp32", "bf16", "fp16"):
         for has_rw in (True, False):
             for has_lr, block_rs in ((True, (16, 32)), (False, (16,))):
@@ -206,11 +208,14 @@ def static_cases() -> Iterator[StaticCase]:
                     p = f"*{dt}"
                     yield StaticCase("laurel_fwd", _laurel_fwd_kernel,
                                      dict(f_ptr=p, x_ptr=p, t_ptr=p, b_ptr=p, w_ptr="*fp32", y_ptr=p,
-                                          N="i32", D="i32", R="i32"), const, NUM_WARPS, tags={"dtype": dt})
+                                          N="i32", D="i32", R="i32"), const, NUM_WARPS, tags={"dtype": dt},
+                                     divisible=("f_ptr", "x_ptr", "t_ptr", "b_ptr", "w_ptr", "y_ptr"))
                     yield StaticCase("laurel_bwd", _laurel_bwd_kernel,
                                      dict(g_ptr=p, f_ptr=p, x_ptr=p, t_ptr=p, b_ptr=p, w_ptr="*fp32",
                                           df_ptr=p, dl_ptr=p, part_ptr="*fp32", N="i32", D="i32", R="i32"),
-                                     const, NUM_WARPS, tags={"dtype": dt})
+                                     const, NUM_WARPS, tags={"dtype": dt},
+                                     divisible=("g_ptr", "f_ptr", "x_ptr", "t_ptr", "b_ptr", "w_ptr", "df_ptr",
+                                                "dl_ptr", "part_ptr"))
 
 
 def tour_case(device: torch.device):

@@ -543,7 +543,16 @@ def mom_read(
 def static_cases() -> Iterator[StaticCase]:
     """Every (dtype, padded head dim, slot-chunk width) configuration of the four
     kernels, with the warps and stages they launch with; 16-bit matmul-shaped kernels at head dim 64/128
-    must build to Hopper's wgmma."""
+    must build to Hopper's wgmma. Every pointer is a contiguous input or a fresh tensor,
+    16-byte aligned at launch, and at the tiles of head dims 64 and 128 the head dim HD
+    is a multiple of 16: Triton specialises both (``divisible``)."""
+    for case in _static_cases():
+        pointers = tuple(k for k, v in case.signature.items() if v.startswith("*"))
+        head_dim = ("HD",) if case.constexprs["BLOCK_D"] in (64, 128) else ()
+        yield dataclasses.replace(case, divisible=pointers + head_dim)
+
+
+def _static_cases() -> Iterator[StaticCase]:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         dt = triton_dtype(dtype)
         p = f"*{dt}"

@@ -357,6 +357,12 @@ def shared_matrix(
 # Static sm_90 configurations and the tour
 # ----------------------------------------------------------------------------
 
+def _pointers(signature: dict) -> tuple[str, ...]:
+    """Every pointer: parameters, fresh outputs, contiguous activations and the
+    placeholders are 16-byte aligned at launch (Triton specialises them)."""
+    return tuple(k for k, v in signature.items() if v.startswith("*"))
+
+
 def static_cases() -> Iterator[StaticCase]:
     for x_dtype, p_dtype in DTYPE_PAIRS:
         xt, pt = triton_dtype(x_dtype), triton_dtype(p_dtype)
@@ -369,19 +375,19 @@ def static_cases() -> Iterator[StaticCase]:
         for split in (True, False):
             for tile, (block_m, block_n, block_k, warps, stages) in TILES[cls].items():
                 const = dict(SPLIT=split, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision)
-                yield StaticCase("shared_matrix_fwd", _shared_matrix_fwd_kernel,
-                                 dict(x_ptr=f"*{xt}", **params, y_ptr=f"*{xt}", **scalars),
-                                 const, warps, stages, tags=tags | {"tile": tile})
-                yield StaticCase("shared_matrix_dx", _shared_matrix_dx_kernel,
-                                 dict(dy_ptr=f"*{xt}", **params, dx_ptr=f"*{xt}", **scalars),
-                                 const, warps, stages, tags=tags | {"tile": tile})
+                fwd = dict(x_ptr=f"*{xt}", **params, y_ptr=f"*{xt}", **scalars)
+                yield StaticCase("shared_matrix_fwd", _shared_matrix_fwd_kernel, fwd,
+                                 const, warps, stages, tags=tags | {"tile": tile}, divisible=_pointers(fwd))
+                dx = dict(dy_ptr=f"*{xt}", **params, dx_ptr=f"*{xt}", **scalars)
+                yield StaticCase("shared_matrix_dx", _shared_matrix_dx_kernel, dx,
+                                 const, warps, stages, tags=tags | {"tile": tile}, divisible=_pointers(dx))
             block_r, block_c, block_m, warps, stages = DW_TILES[cls]
-            yield StaticCase("shared_matrix_dw", _shared_matrix_dw_kernel,
-                             dict(dy_ptr=f"*{xt}", x_ptr=f"*{xt}", **params, dw0_ptr=f"*{pt}", dd_ptr=f"*{pt}",
-                                  part_ptr="*fp32", ws_ptr="*fp32", **scalars, want_w0="i32", want_delta="i32",
-                                  m_chunk="i32", use_ws="i32"),
+            dw = dict(dy_ptr=f"*{xt}", x_ptr=f"*{xt}", **params, dw0_ptr=f"*{pt}", dd_ptr=f"*{pt}",
+                      part_ptr="*fp32", ws_ptr="*fp32", **scalars, want_w0="i32", want_delta="i32",
+                      m_chunk="i32", use_ws="i32")
+            yield StaticCase("shared_matrix_dw", _shared_matrix_dw_kernel, dw,
                              dict(SPLIT=split, BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_M=block_m,
-                                  PRECISION=precision), warps, stages, tags=tags)
+                                  PRECISION=precision), warps, stages, tags=tags, divisible=_pointers(dw))
 
 
 def tour_case(device: torch.device):

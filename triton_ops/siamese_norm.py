@@ -552,18 +552,23 @@ def static_cases() -> Iterator[StaticCase]:
                        wy_ptr=w, win_ptr=w, rstd_ptr="*fp32", dx_ptr=p, dy_ptr=p, dupd_ptr=p,
                        ds_part_ptr="*fp32", dwx_part_ptr="*fp32", dwy_part_ptr="*fp32", dwin_part_ptr="*fp32",
                        N="i32", D="i32", c_inv="fp32")
+        # every pointer is a contiguous input, weight or fresh output: 16-byte aligned at
+        # launch, which Triton specialises (D varies, so it is not declared)
+        fwd_aligned = tuple(k for k, v in fwd_sig.items() if v.startswith("*"))
+        bwd_aligned = tuple(k for k, v in bwd_sig.items() if v.startswith("*"))
         for label, flags in _FWD_FLAGS.items():
             tags = {"dtype": dt, "flags": label}
             for block_d in block_ds:
                 yield StaticCase("siamese_fwd", _siamese_fwd_kernel, fwd_sig, {**flags, "BLOCK_D": block_d},
-                                 num_warps_for(block_d), tags=tags)
+                                 num_warps_for(block_d), tags=tags, divisible=fwd_aligned)
                 if block_d <= BWD_MAX_ROW_BLOCK:
                     yield StaticCase("siamese_bwd", _siamese_bwd_kernel, bwd_sig,
                                      {**_bwd_flags(flags), "BLOCK_D": block_d}, bwd_num_warps_for(block_d),
-                                     tags=tags)
+                                     tags=tags, divisible=bwd_aligned)
             # rows wider than BWD_MAX_ROW_BLOCK: one chunked configuration
             yield StaticCase("siamese_bwd_wide", _siamese_bwd_wide_kernel, bwd_sig,
-                             {**_bwd_flags(flags), "BLOCK_C": BWD_CHUNK}, bwd_num_warps_for(BWD_CHUNK), tags=tags)
+                             {**_bwd_flags(flags), "BLOCK_C": BWD_CHUNK}, bwd_num_warps_for(BWD_CHUNK), tags=tags,
+                             divisible=bwd_aligned)
 
 
 def tour_case(device: torch.device):

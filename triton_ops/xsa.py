@@ -186,6 +186,9 @@ def xsa(y: torch.Tensor, v: torch.Tensor, *, mode: str = "normalized", eps: floa
 
 
 def static_cases() -> Iterator[StaticCase]:
+    """Every pointer is a contiguous input or a fresh output, 16-byte aligned at launch
+    (Triton specialises it: ``divisible``). D, the head dim, is declared a multiple of 16
+    where the tile is a common head dim's (64, 128, 256); any smaller one is its own binary."""
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
         for normalized in (True, False):
@@ -194,13 +197,16 @@ def static_cases() -> Iterator[StaticCase]:
                     block_r, _, _ = _blocks(block_g, block_d)
                     const = dict(NORMALIZED=normalized, BLOCK_R=block_r, BLOCK_G=block_g, BLOCK_D=block_d)
                     tags = {"dtype": dt}
+                    head_dim = ("D",) if block_d >= 64 else ()
                     yield StaticCase("xsa_fwd", _xsa_fwd_kernel,
                                      dict(y_ptr=p, v_ptr=p, out_ptr=p, R="i32", G="i32", D="i32", eps="fp32"),
-                                     const, NUM_WARPS, NUM_STAGES, tags=tags)
+                                     const, NUM_WARPS, NUM_STAGES, tags=tags,
+                                     divisible=("y_ptr", "v_ptr", "out_ptr") + head_dim)
                     yield StaticCase("xsa_bwd", _xsa_bwd_kernel,
                                      dict(g_ptr=p, y_ptr=p, v_ptr=p, dy_ptr=p, dv_ptr=p, R="i32", G="i32",
                                           D="i32", eps="fp32"),
-                                     const, NUM_WARPS, NUM_STAGES, tags=tags)
+                                     const, NUM_WARPS, NUM_STAGES, tags=tags,
+                                     divisible=("g_ptr", "y_ptr", "v_ptr", "dy_ptr", "dv_ptr") + head_dim)
 
 
 def tour_case(device: torch.device):
