@@ -437,7 +437,8 @@ _OFFSET_VIEWS = {
 # aligned (so the table holds a binary compiled without that specialisation).
 _ALIGNMENT_PENDING = {
     "affine_scaled_attention._affine_bwd_rows_kernel", "affine_scaled_attention._affine_combine_kernel",
-    "affine_scaled_attention._vbar_grad_scan_kernel", "affine_scaled_attention._vbar_scan_kernel",
+    "affine_scaled_attention._vbar_chunk_sums_kernel", "affine_scaled_attention._vbar_expand_kernel",
+    "affine_scaled_attention._vbar_grad_chunk_sums_kernel", "affine_scaled_attention._vbar_grad_expand_kernel",
     "_flash._flash_bwd_dkdv_kernel", "_flash._flash_bwd_dq_kernel", "_flash._flash_delta_kernel",
     "_flash._flash_fwd_kernel",
     "leviathan._bwd_norm_kernel", "leviathan._bwd_spline_kernel", "leviathan._fwd_kernel",
