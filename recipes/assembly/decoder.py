@@ -315,6 +315,20 @@ class DecoderCache(DecodingCache):
                        signature=signature, batch=input_ids.shape[0], device=input_ids.device)
 
 
+def check_decoder_call(model, input_ids, attention_mask, cache, weight: torch.Tensor) -> None:
+    """The checks every decoder model makes before a call: token ids, keep mask, device
+    (against ``weight``), a cache of this model's ``signature``, the context length."""
+    check_tensor("input_ids", input_ids, ndim=2, dtypes=(torch.int64, torch.int32), layout="(batch, seq)")
+    check_has_tokens("input_ids", input_ids)
+    check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
+    check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=weight)
+    if cache is not None:
+        if not isinstance(cache, DecoderCache):
+            raise TypeError(f"`cache` must be a DecoderCache (from empty_cache) or None, got {type(cache).__name__}")
+        cache.check(model.signature, input_ids)
+    check_context("input_ids", cache.length if cache is not None else 0, input_ids.shape[1], model.max_positions)
+
+
 def start_decoder_cache(model: nn.Module, batch: int, dtype: torch.dtype | None,
                         device: torch.device | str | None, signature: tuple | None = None) -> DecoderCache:
     """The empty :class:`DecoderCache` of ``model.empty_cache(batch, dtype=, device=)``:
@@ -406,16 +420,7 @@ class DecoderModel(nn.Module):
         return ("decoder", len(self.plan), self.embed_tokens.embedding_dim, self.hc_mult)
 
     def _check(self, input_ids, attention_mask, cache) -> None:
-        check_tensor("input_ids", input_ids, ndim=2, dtypes=(torch.int64, torch.int32), layout="(batch, seq)")
-        check_has_tokens("input_ids", input_ids)
-        check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
-        check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=self.embed_tokens.weight)
-        if cache is not None:
-            if not isinstance(cache, DecoderCache):
-                raise TypeError("`cache` must be a DecoderCache (from empty_cache) or None, "
-                                f"got {type(cache).__name__}")
-            cache.check(self.signature, input_ids)
-        check_context("input_ids", cache.length if cache is not None else 0, input_ids.shape[1], self.max_positions)
+        check_decoder_call(self, input_ids, attention_mask, cache, self.embed_tokens.weight)
 
     def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> DecoderCache:

@@ -27,13 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from laminae.primitives._errors import ConfigError, ShapeError
-from laminae.primitives._validation import (check_context, check_has_tokens, check_keep_mask, check_positive_int,
-                                            check_same_device, check_tensor)
+from laminae.primitives._validation import check_positive_int
 from laminae.primitives.blocks.gqa import GroupedQueryAttention
 from laminae.primitives.siamese_norm import SiameseNormFinal, SiameseNormLayer, siamese_start
 from laminae.primitives.stack_memory import StackMemory, StackMemoryState
 
-from .decoder import DecoderCache, DecoderOutput, start_decoder_cache
+from .decoder import DecoderCache, DecoderOutput, check_decoder_call, start_decoder_cache
 
 __all__ = ["FlowContext", "AttentionSublayer", "ScaledSublayer", "PreNormLayer", "StreamDecoderModel"]
 
@@ -167,16 +166,7 @@ class StreamDecoderModel(nn.Module):
         return ("stream_decoder", len(self.layers), self.hidden_size, self.two_streams)
 
     def _check(self, input_ids, attention_mask, cache) -> None:
-        check_tensor("input_ids", input_ids, ndim=2, dtypes=(torch.int64, torch.int32), layout="(batch, seq)")
-        check_has_tokens("input_ids", input_ids)
-        check_keep_mask("attention_mask", attention_mask, *input_ids.shape)
-        check_same_device(input_ids=input_ids, attention_mask=attention_mask, weight=next(self.parameters()))
-        if cache is not None:
-            if not isinstance(cache, DecoderCache):
-                raise TypeError("`cache` must be a DecoderCache (from empty_cache) or None, "
-                                f"got {type(cache).__name__}")
-            cache.check(self.signature, input_ids)
-        check_context("input_ids", cache.length if cache is not None else 0, input_ids.shape[1], self.max_positions)
+        check_decoder_call(self, input_ids, attention_mask, cache, next(self.parameters()))
 
     def empty_cache(self, batch: int, *, dtype: torch.dtype | None = None,
                     device: torch.device | str | None = None) -> DecoderCache:
