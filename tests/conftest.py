@@ -24,9 +24,14 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, Healt
 # CI stops at the first failing example: generation finds a bug, and shrinking it through the
 # interpreter cost minutes per failure (print_blob replays it); dev and thorough runs shrink.
 CI_PHASES = tuple(p for p in Phase if p is not Phase.shrink)
-settings.register_profile("ci", max_examples=12, derandomize=True, print_blob=True, phases=CI_PHASES, **_common)
-settings.register_profile("dev", max_examples=25, **_common)
-settings.register_profile("thorough", max_examples=1000, **_common)
+# Each profile derives from hypothesis' own defaults, not from whatever is loaded: with CI set,
+# hypothesis has already loaded its built-in "ci" profile, registering ours under that name makes
+# it active, and a profile registered after it would inherit its phases and derandomize.
+_base = settings.get_profile("default")
+settings.register_profile("ci", _base, max_examples=12, derandomize=True, print_blob=True, phases=CI_PHASES,
+                          **_common)
+settings.register_profile("dev", _base, max_examples=25, **_common)
+settings.register_profile("thorough", _base, max_examples=1000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
