@@ -119,19 +119,42 @@ def test_fp16_with_the_gpu_tiles():
     assert_parity(mom_read, mom_read_reference, inp, GRADS, dtype=torch.float16)
 
 
-# Every tile row the CUDA path launches, in its own dtype against the float64 truth,
-# through ``tiles``/``fit_chunks`` as the op calls them: 130 tokens, each reading both
-# blocks, give 130 pairs per block (two 64-pair tiles and a ragged third) and three
-# merge tiles; the block spans two slot chunks and a ragged third; the head dim is
-# ragged inside its padded width. The pair and dq partials are stored in the input
-# dtype and merged in fp32.
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("hd", [8, 24, 56, 120])
-def test_every_launch_tile_row_matches_float64(dtype, hd):
-    t = mom_mod.fit_chunks(mom_mod.tiles(hd, dtype), 10**6, dtype)
-    tokens = 2 * max(t.block_m, t.dkdv_m, t.merge_t) + 2
-    bs = 2 * max(t.block_n, t.dkdv_n) + 3
+# Every tile row the CUDA path launches, in its own dtype against the float64 truth.
+# The rows come from ``static_cases()`` (a configuration added there runs here), each
+# picked by ``fit_chunks(tiles(...))`` as the op picks it: a block of ``cap`` slots gets
+# chunks ``cap`` wide. One call launches the row's forward, merge, dq, dK/dV and dq
+# merge kernels. Such a block is a single chunk, so ``tiles`` is forced to the row and
+# the block grows to two chunks and a ragged third of the row's widest chunk. 130
+# tokens, each reading both blocks, give 130 pairs per block (two 64-pair tiles and a
+# ragged third) and three merge tiles; the head dim (BLOCK_D − 8) is ragged inside its
+# padded width. The pair and dq partials are stored in the input dtype, merged in fp32.
+_DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _launch_rows():
+    rows = set()
+    for case in mom_mod.static_cases():
+        if "BLOCK_N" in case.constexprs:
+            dtype, bd, cap = _DTYPE_NAMES[case.tags["dtype"]], case.constexprs["BLOCK_D"], case.constexprs["BLOCK_N"]
+            t = mom_mod.fit_chunks(mom_mod.tiles(bd - 8, dtype), cap, dtype)
+            assert cap in (t.block_n, t.dkdv_n), (case.name, case.constexprs, t)
+            rows.add((case.tags["dtype"], bd, t))
+    return sorted(rows, key=lambda r: (r[0], r[1], r[2].block_n, r[2].dkdv_n))
+
+
+LAUNCH_ROWS = _launch_rows()
+
+
+@pytest.mark.parametrize("dtype, bd, row", LAUNCH_ROWS,
+                         ids=[f"{d}-d{bd}-n{t.block_n}-{t.dkdv_n}" for d, bd, t in LAUNCH_ROWS])
+def test_every_launch_tile_row_matches_float64(dtype, bd, row, monkeypatch):
+    dtype, hd = _DTYPE_NAMES[dtype], bd - 8
+    assert mom_mod.block_d(hd) == bd
+    tokens = 2 * max(row.block_m, row.dkdv_m, row.merge_t) + 2
+    bs = 2 * max(row.block_n, row.dkdv_n) + 3
+    assert mom_mod.fit_chunks(row, bs, dtype) == row
     inp = _inputs(1, tokens, 2, hd, 2, bs, 2, 1.0, 13, dtype=dtype)
+    monkeypatch.setattr(mom_mod, "tiles", lambda head_dim, dt: row)
     assert_matches_float64(mom_read, mom_read_reference, inp, GRADS, dtype=dtype)
 
 
