@@ -146,25 +146,53 @@ def _expected_ids(inp):
                              legacy_trunc=inp["legacy_trunc"], attention_mask=keep)[:, prefix_len:]
 
 
-LOOKUP_DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-                 (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# Every lookup launch the CUDA path picks, in its own dtypes against the float64 truth:
-# 1, 2, 3 and 5 heads are one launch of BLOCK_H 1, 2, 4 and 8; 9 heads are three
-# launches of 4 (first, middle, last) through the fp32 scratch, run for every dtype pair
-# with the sign hash (the first/middle/last variants differ only in the gather phase,
-# which the hash does not touch) and for fp32 with the legacy hash. Rows span a full
-# BLOCK_M tile and a ragged second, compress_dim a full BLOCK_C chunk and a ragged
-# second, out_dim a full BLOCK_D chunk and a ragged second; a prefix and left padding
-# are read.
-@pytest.mark.parametrize("legacy", [False, True])
-@pytest.mark.parametrize("dtypes", LOOKUP_DTYPES, ids=str)
-def test_every_lookup_launch_matches_float64(dtypes, legacy):
-    dtype, table_dtype = dtypes
+def _lookup_launches(heads, legacy):
+    """(BLOCK_H, FIRST, LAST) of each launch ``engram_lookup_fused`` makes for ``heads``
+    heads: one launch of up to HEADS_PER_LAUNCH heads, else launches of GROUP_HEADS
+    through the fp32 scratch."""
+    per_launch = heads if heads <= HEADS_PER_LAUNCH else GROUP_HEADS
+    groups = -(-heads // per_launch)
+    block_h = engram_mod.lookup_tiles(heads, legacy)[0]
+    return {(block_h, g == 0, g == groups - 1) for g in range(groups)}
+
+
+def _lookup_runs():
+    """(dtype, table dtype, legacy hash, head counts): the fewest heads that make each
+    static lookup case's launch; one call of a head count runs its forward launches
+    and the table-gradient kernels in that dtype."""
+    runs = {}
+    for case in engram_mod.static_cases():
+        if case.name != "engram_fwd":
+            continue
+        k = case.constexprs
+        heads = min(h for h in range(1, 3 * HEADS_PER_LAUNCH)
+                    if (k["BLOCK_H"], k["FIRST"], k["LAST"]) in _lookup_launches(h, k["LEGACY"]))
+        tiles = (k["BLOCK_H"], k["BLOCK_C"], k["BLOCK_BITS"])
+        runs.setdefault((case.tags["dtype"], case.tags["table"], k["LEGACY"]), {})[heads] = tiles
+    return [(*key, tuple(sorted(h.items()))) for key, h in sorted(runs.items())]
+
+
+LOOKUP_RUNS = _lookup_runs()
+
+
+# Every lookup launch the CUDA path picks (engram.static_cases()), in its own dtypes,
+# output and table gradient against the float64 truth by relative RMSE at the dtype's
+# fixed bound (the same-dtype reference would hash 16-bit hyperplanes into other
+# buckets, so it is no yardstick here). 1, 2, 3 and 5 heads are one launch of BLOCK_H
+# 1, 2, 4 and 8; 9 heads are three launches of 4 (first, middle, last) through the
+# fp32 scratch. Rows span a full BLOCK_M tile and a ragged second, compress_dim a full
+# BLOCK_C chunk and a ragged second, out_dim two BLOCK_D chunks of the forward and of
+# the table gradient, ragged; a cached prefix is read and a dropped position restarts
+# the n-grams. The sorted gradient entries span several BLOCK_E chunks.
+@pytest.mark.parametrize("dtype, table_dtype, legacy, heads", LOOKUP_RUNS,
+                         ids=[f"{r[0]}-{r[1]}-{'legacy' if r[2] else 'sign'}" for r in LOOKUP_RUNS])
+def test_every_lookup_launch_matches_float64(dtype, table_dtype, legacy, heads):
     assert (HEADS_PER_LAUNCH, GROUP_HEADS) == (8, 4)
+    dtype, table_dtype = _DTYPES[dtype], _DTYPES[table_dtype]
     ids = {}
-    multi = not legacy or dtypes == LOOKUP_DTYPES[0]
 
     def lookup(**kw):
         out, ids["got"] = engram_lookup_fused(*engram_mod._prepare_lookup(
@@ -172,11 +200,51 @@ def test_every_lookup_launch_matches_float64(dtypes, legacy):
             kw["attention_mask"], kw["prefix_mask"]), legacy)
         return out
 
-    for heads in (1, 2, 3, 5, 9)[:5 if multi else 4]:
-        inp = _lookup_inputs(1, BLOCK_M + 3, heads, 2, 29, BLOCK_C + 5, BLOCK_D + 6, 1, legacy, 1.0,
-                             heads, dtype=dtype, table_dtype=table_dtype, padding="left")
-        assert_matches_float64(lookup, engram_lookup_reference, inp, [], dtype=dtype)
-        assert torch.equal(ids["got"].view(1, BLOCK_M + 3, 2, heads), _expected_ids(inp)), heads
+    seq, d = BLOCK_M + 3, max(BLOCK_D, BWD_TILES["BLOCK_D"]) + 6
+    for h, tiles in heads:
+        assert engram_mod.lookup_tiles(h, legacy)[:3] == tiles
+        inp = _lookup_inputs(1, seq, h, 2, 29, tiles[1] + 5, d, 1, legacy, 1.0, h, dtype=dtype,
+                             table_dtype=table_dtype)
+        keep = torch.ones(1, seq, dtype=torch.bool, device=DEVICE)
+        keep[0, 7] = False
+        inp["compressed"] = torch.where(keep[..., None], inp["compressed"], float("nan"))
+        inp |= {"attention_mask": keep, "prefix_mask": torch.ones(1, 1, dtype=torch.bool, device=DEVICE)}
+        # the table gradient's kernels do not depend on the forward's launches: one run of
+        # them per dtype pair, at the most heads (the most sorted entries)
+        grads = ["tables"] if h == heads[-1][0] else []
+        assert_matches_float64(lookup, engram_lookup_reference, inp, grads, dtype=dtype)
+        assert torch.equal(ids["got"].view(1, seq, 2, h), _expected_ids(inp)), h
+
+
+def _gate_runs():
+    """(dtype, BLOCK_F, forward BLOCK_M, backward BLOCK_M) of every static gate case."""
+    runs = {}
+    for case in engram_mod.static_cases():
+        if case.name.startswith("fusion_gate"):
+            key = (case.tags["dtype"], case.constexprs["BLOCK_F"])
+            runs.setdefault(key, {})[case.name] = case.constexprs["BLOCK_M"]
+    return [(*key, m["fusion_gate_fwd"], m["fusion_gate_bwd"]) for key, m in sorted(runs.items())]
+
+
+GATE_RUNS = _gate_runs()
+
+
+@pytest.mark.parametrize("dtype, block_f, block_m, block_m_bwd", GATE_RUNS, ids=[f"{r[0]}-{r[1]}" for r in GATE_RUNS])
+def test_every_fusion_gate_launch_matches_float64(dtype, block_f, block_m, block_m_bwd):
+    """Forward and backward at each row width the CUDA path picks, in its own dtype:
+    a ragged row (F = BLOCK_F - 3) and two row tiles of each kernel, the last ragged
+    where a tile holds more than one row. Relative RMSE to the float64 truth at the
+    dtype's fixed bound (measured: bf16 ≤ 1.8e-3, fp16 ≤ 2.5e-4, fp32 ≤ 3.6e-6)."""
+    f = block_f - 3
+    assert engram_mod._gate_blocks(f)[:2] == (block_m, block_f)
+    assert engram_mod._gate_blocks(f, backward=True)[:2] == (block_m_bwd, block_f)
+    rows = max(block_m, block_m_bwd) + 1
+    gen = torch.Generator().manual_seed(block_f)
+    inp = {k: torch.randn(rows, f, generator=gen).to(DEVICE, _DTYPES[dtype])
+           for k in ("hidden_low", "key_low", "value")}
+    inp |= {k: (1 + 0.3 * torch.randn(f, generator=gen)).to(DEVICE)
+            for k in ("hidden_norm_weight", "ngram_norm_weight")}
+    assert_matches_float64(engram_fusion_gate, engram_fusion_gate_reference, inp, list(inp), dtype=_DTYPES[dtype])
 
 
 def test_legacy_hash_truncates_to_int64_like_the_reference():
