@@ -174,12 +174,16 @@ def hrm_refinement_fwd(
     w_up = up_weight.to(dtype)
     c = torch.tanh(gate.float())
     norm_weight = norm_weight.float()
+    refine = w_n.shape[0]
     anchor_proj = x @ w_a.t()
     states = empty((steps, rows, d), dtype=dtype, device=x.device)
     rstd = empty((steps, rows), dtype=torch.float32, device=x.device)
+    z = empty((steps, rows, refine), dtype=dtype, device=x.device)
+    # one buffer each for n_t, s_t and u_t, reused by every step; z_t lands in its slot of z
     normed = empty((rows, d), dtype=dtype, device=x.device)
-    zs = []
-    u = None
+    s = empty((rows, refine), dtype=dtype, device=x.device)
+    u = empty((rows, d), dtype=dtype, device=x.device)
+    act_grid = (triton.cdiv(rows * refine, ACT_BLOCK),)
     for t in range(steps):
         h_prev = x if t <= 1 else states[t - 2]
         if t == 0:
@@ -187,15 +191,13 @@ def hrm_refinement_fwd(
         else:
             _launch_row_fwd(h_prev, u, c, norm_weight, states[t - 1], normed, rstd[t], t - 1, eps,
                             update=True, norm=True)
-        z = torch.addmm(anchor_proj, normed, w_n.t())
-        s = empty(z.shape, dtype=dtype, device=x.device)
-        wrap_triton(_silu_fwd_kernel)[(triton.cdiv(z.numel(), ACT_BLOCK),)](z, s, z.numel(), BLOCK=ACT_BLOCK)
-        u = s @ w_up.t()
-        zs.append(z)
+        torch.addmm(anchor_proj, normed, w_n.t(), out=z[t])
+        wrap_triton(_silu_fwd_kernel)[act_grid](z[t], s, rows * refine, BLOCK=ACT_BLOCK)
+        torch.mm(s, w_up.t(), out=u)
     last_prev = x if steps == 1 else states[steps - 2]
     _launch_row_fwd(last_prev, u, c, norm_weight, states[steps - 1], normed, rstd[0], steps - 1, eps,
                     update=True, norm=False)
-    return states, rstd, torch.stack(zs)
+    return states, rstd, z
 
 
 @triton_op("laminae::hrm_refinement_bwd", mutates_args=())
@@ -218,24 +220,32 @@ def _hrm_refinement_bwd(
     da = torch.zeros((rows, refine), dtype=torch.float32, device=dev)
     dw_part = torch.zeros((n_progs, d), dtype=torch.float32, device=dev)
     gate_part = empty((steps, act_progs), dtype=torch.float32, device=dev)
-    d_up = torch.zeros((d, refine), dtype=torch.float32, device=dev)
-    d_wn = torch.zeros((refine, d), dtype=torch.float32, device=dev)
+    # The weight gradients' operands per step, stacked so each gradient is one GEMM over
+    # K = T·N at the end: δ_t in the activation dtype with c·s_t (dW_up), ρ·dz_t (dW_n).
+    delta_lp = empty((steps, rows, d), dtype=dtype, device=dev)
+    cs = empty((steps, rows, refine), dtype=dtype, device=dev)
+    dzr = empty((steps, rows, refine), dtype=dtype, device=dev)
+    # reused by every step
+    q = empty((rows, refine), dtype=dtype, device=dev)
+    dz = empty((rows, refine), dtype=dtype, device=dev)
+    dn = empty((rows, d), dtype=dtype, device=dev)
     for t in range(steps - 1, -1, -1):
         h_t = x if t == 0 else states[t - 1]
-        delta_lp = delta.to(dtype)
-        q = delta_lp @ w_up
-        dz = empty((rows, refine), dtype=dtype, device=dev)
-        dzr = empty((rows, refine), dtype=dtype, device=dev)
-        cs = empty((rows, refine), dtype=dtype, device=dev)
+        delta_lp[t].copy_(delta)
+        torch.mm(delta_lp[t], w_up, out=q)
         wrap_triton(_silu_bwd_kernel)[(act_progs,)](
-            q, z[t], rstd[t], c, dz, dzr, cs, da, gate_part[t], rows * refine, refine, t, BLOCK=ACT_BLOCK)
-        d_up += (delta_lp.t() @ cs).float()
-        d_wn += (dzr.t() @ h_t).float()
-        dn = dz @ w_n
+            q, z[t], rstd[t], c, dz, dzr[t], cs[t], da, gate_part[t], rows * refine, refine, t, BLOCK=ACT_BLOCK)
+        torch.mm(dz, w_n, out=dn)
         has_grad = t > 0
         wrap_triton(_hrm_row_bwd_kernel)[(n_progs,)](
             dn, h_t, rstd[t], w_norm, g_states[t - 1] if has_grad else dn, delta, dw_part, rows, d,
             HAS_GRAD=has_grad, BLOCK_D=block_d, num_warps=row_bwd_warps(block_d))
+    d_up = delta_lp.view(-1, d).t() @ cs.view(-1, refine)
+    # h_0 = x and h_t = states[t-1]: the states are one [T-1, N, D] block already, so x
+    # takes its own GEMM rather than a copy of every state into a stacked operand
+    d_wn = (dzr[0].t() @ x).float()
+    if steps > 1:
+        d_wn += (dzr[1:].reshape(-1, refine).t() @ states[:-1].reshape(-1, d)).float()
     da_lp = da.to(dtype)
     dx = (delta + (da_lp @ w_a).float()).to(dtype)
     d_wa = (da_lp.t() @ x).float()
@@ -291,12 +301,12 @@ def hrm_refinement(
 
 # Pointers every launch passes 16-byte aligned (fresh allocations, contiguous inputs,
 # parameters), which Triton specialises as 16-divisible. Not listed: the per-step views
-# ``states[t]``, ``rstd[t]``, ``z[t]``, ``gate_part[t]`` and ``g_states[t]``, whose
+# ``states[t]``, ``rstd[t]``, ``z[t]``, ``gate_part[t]``, ``g_states[t]``, ``dzr[t]`` and ``cs[t]``, whose
 # offsets are multiples of the row count (aligned only for some N).
 FWD_ALIGNED = ("u_ptr", "c_ptr", "w_ptr", "n_ptr")
 BWD_ALIGNED = ("dn_ptr", "w_ptr", "delta_ptr", "dw_part_ptr")
-SILU_FWD_ALIGNED = ("z_ptr", "s_ptr")
-SILU_BWD_ALIGNED = ("q_ptr", "c_ptr", "dz_ptr", "dzr_ptr", "cs_ptr", "da_ptr")
+SILU_FWD_ALIGNED = ("s_ptr",)
+SILU_BWD_ALIGNED = ("q_ptr", "c_ptr", "dz_ptr", "da_ptr")
 
 
 # At model widths (a row tile of 1024 and more) D is a multiple of 16 in the common case,
