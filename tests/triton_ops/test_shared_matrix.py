@@ -129,10 +129,11 @@ def test_cublas_threshold_is_inclusive_for_forward_and_dx(monkeypatch):
 
 # (split, scaled, masked): delta, learned scale and keep mask each on and off
 TRANSIENT_VARIANTS = [(True, True, True), (True, False, False), (False, True, False), (False, False, True)]
+PAIR_IDS = [f"{a}-{b}".replace("torch.", "") for a, b in DTYPE_PAIRS]
 
 
 @pytest.mark.parametrize("split, scaled, masked", TRANSIENT_VARIANTS)
-@pytest.mark.parametrize("x_dtype, p_dtype", DTYPE_PAIRS, ids=[f"{a}-{b}".replace("torch.", "") for a, b in DTYPE_PAIRS])
+@pytest.mark.parametrize("x_dtype, p_dtype", DTYPE_PAIRS, ids=PAIR_IDS)
 def test_transient_weight_and_cublas_path_against_float64(monkeypatch, x_dtype, p_dtype, split, scaled, masked):
     # 20 tokens at a threshold of 20; the block spans two combine tiles each way, ragged
     built = _count_transient(monkeypatch, 20)
