@@ -16,6 +16,8 @@ from ._harness import DEVICE, MODES, PROVIDERS, by_mode, run_benchmark
 
 # (tokens, out_features, in_features, rows, cols, ratio, learned scale)
 GPU_SHAPES = [
+    (16384, 1024, 1024, 1024, 1024, 10.0, False),   # goal shape: hidden 1024, 16k tokens (cuBLAS path)
+    (512, 1024, 1024, 1024, 1024, 10.0, False),     # a short prompt: the fused kernels
     (8192, 640, 640, 640, 640, 10.0, False),        # attn.q_proj, Max tier
     (8192, 640, 2560, 384, 1536, 6.0, False),       # mlp.down_proj, Low tier
     (8192, 50432, 640, 50432, 640, 10.0, True),     # lm_head, Max tier
@@ -55,9 +57,14 @@ def test_shared_matrix(benchmark, provider, mode, shape):
     tokens, _, _, rows, cols, _, scaled = shape
     grads = ["x", "delta"] + (["scale"] if scaled else [])  # init frozen, as in the paper
     flops = by_mode(2 * tokens * rows * cols, 6 * tokens * rows * cols)
+    # compulsory traffic: forward x, y and the init and delta blocks; dx dy, dx and the
+    # blocks; dW dy, x and the d delta block (the cuBLAS path adds the [R, C] tier weight)
+    size = DTYPE.itemsize
+    fwd = size * (tokens * cols + tokens * rows + 2 * rows * cols)
+    bwd = size * (2 * tokens * (rows + cols) + 3 * rows * cols)
     run_benchmark(benchmark, name="shared_matrix", provider=provider, mode=mode, op=shared_matrix,
                   reference=shared_matrix_reference, inputs=inputs, grad_names=grads, shape=_label(shape),
-                  flops=flops)
+                  flops=flops, bytes_moved=by_mode(fwd, fwd + bwd))
 
 
 def _saved_bytes(fn, inputs, grads) -> int:

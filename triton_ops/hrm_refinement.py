@@ -17,10 +17,15 @@ Backward, t = T-1 … 0, with δ the fp32 gradient flowing into h_{t+1}:
     cuBLAS          q = δ·W_up                          [N, R]
     act-bwd kernel  dz = c·q·silu'(z); Σ s⊙q per program (→ dgate = (1-c²)·Σ s⊙q,
                     no need for u); da += dz; writes c·s and ρ·dz for the weight grads
-    cuBLAS          dW_up += δᵀ·(c·s);  dW_n += (ρ·dz)ᵀ·h_t;  dn = dz·W_n
+    cuBLAS          dn = dz·W_n
     row-bwd kernel  δ ← δ + ρ·(w⊙dn − ĥ·mean(ĥ⊙w⊙dn)) + g_t,   ĥ = h_t·ρ
                     (RMSNorm backward, residual and the state's own upstream gradient
                     in one pass; dw partial sums per program, no atomics)
+δ_t (in the activation dtype), c·s_t and ρ·dz_t are written into [T, N, ·] stacks, so
+each weight gradient is one GEMM over K = T·N after the loop: dW_up = [δ_t]ᵀ·[c·s_t],
+dW_n = (ρ·dz_0)ᵀ·x + [ρ·dz_t]ᵀ_{t≥1}·states[:T-1] (x is not copied in front of the
+states). Per step that is 5 launches instead of 11 and no allocation; the forward
+writes z_t into its slot of z and reuses one buffer each for n_t, s_t and u_t.
 Finally dx = δ + da·W_a, dW_a = daᵀ·x, dW_n ⊙= w (the norm weight factors out of
 n = ĥ⊙w, so dW_n never needs n itself).
 
@@ -174,12 +179,16 @@ def hrm_refinement_fwd(
     w_up = up_weight.to(dtype)
     c = torch.tanh(gate.float())
     norm_weight = norm_weight.float()
+    refine = w_n.shape[0]
     anchor_proj = x @ w_a.t()
     states = empty((steps, rows, d), dtype=dtype, device=x.device)
     rstd = empty((steps, rows), dtype=torch.float32, device=x.device)
+    z = empty((steps, rows, refine), dtype=dtype, device=x.device)
+    # one buffer each for n_t, s_t and u_t, reused by every step; z_t lands in its slot of z
     normed = empty((rows, d), dtype=dtype, device=x.device)
-    zs = []
-    u = None
+    s = empty((rows, refine), dtype=dtype, device=x.device)
+    u = empty((rows, d), dtype=dtype, device=x.device)
+    act_grid = (triton.cdiv(rows * refine, ACT_BLOCK),)
     for t in range(steps):
         h_prev = x if t <= 1 else states[t - 2]
         if t == 0:
@@ -187,15 +196,13 @@ def hrm_refinement_fwd(
         else:
             _launch_row_fwd(h_prev, u, c, norm_weight, states[t - 1], normed, rstd[t], t - 1, eps,
                             update=True, norm=True)
-        z = torch.addmm(anchor_proj, normed, w_n.t())
-        s = empty(z.shape, dtype=dtype, device=x.device)
-        wrap_triton(_silu_fwd_kernel)[(triton.cdiv(z.numel(), ACT_BLOCK),)](z, s, z.numel(), BLOCK=ACT_BLOCK)
-        u = s @ w_up.t()
-        zs.append(z)
+        torch.addmm(anchor_proj, normed, w_n.t(), out=z[t])
+        wrap_triton(_silu_fwd_kernel)[act_grid](z[t], s, rows * refine, BLOCK=ACT_BLOCK)
+        torch.mm(s, w_up.t(), out=u)
     last_prev = x if steps == 1 else states[steps - 2]
     _launch_row_fwd(last_prev, u, c, norm_weight, states[steps - 1], normed, rstd[0], steps - 1, eps,
                     update=True, norm=False)
-    return states, rstd, torch.stack(zs)
+    return states, rstd, z
 
 
 @triton_op("laminae::hrm_refinement_bwd", mutates_args=())
@@ -218,24 +225,32 @@ def _hrm_refinement_bwd(
     da = torch.zeros((rows, refine), dtype=torch.float32, device=dev)
     dw_part = torch.zeros((n_progs, d), dtype=torch.float32, device=dev)
     gate_part = empty((steps, act_progs), dtype=torch.float32, device=dev)
-    d_up = torch.zeros((d, refine), dtype=torch.float32, device=dev)
-    d_wn = torch.zeros((refine, d), dtype=torch.float32, device=dev)
+    # The weight gradients' operands per step, stacked so each gradient is one GEMM over
+    # K = T·N at the end: δ_t in the activation dtype with c·s_t (dW_up), ρ·dz_t (dW_n).
+    delta_lp = empty((steps, rows, d), dtype=dtype, device=dev)
+    cs = empty((steps, rows, refine), dtype=dtype, device=dev)
+    dzr = empty((steps, rows, refine), dtype=dtype, device=dev)
+    # reused by every step
+    q = empty((rows, refine), dtype=dtype, device=dev)
+    dz = empty((rows, refine), dtype=dtype, device=dev)
+    dn = empty((rows, d), dtype=dtype, device=dev)
     for t in range(steps - 1, -1, -1):
         h_t = x if t == 0 else states[t - 1]
-        delta_lp = delta.to(dtype)
-        q = delta_lp @ w_up
-        dz = empty((rows, refine), dtype=dtype, device=dev)
-        dzr = empty((rows, refine), dtype=dtype, device=dev)
-        cs = empty((rows, refine), dtype=dtype, device=dev)
+        delta_lp[t].copy_(delta)
+        torch.mm(delta_lp[t], w_up, out=q)
         wrap_triton(_silu_bwd_kernel)[(act_progs,)](
-            q, z[t], rstd[t], c, dz, dzr, cs, da, gate_part[t], rows * refine, refine, t, BLOCK=ACT_BLOCK)
-        d_up += (delta_lp.t() @ cs).float()
-        d_wn += (dzr.t() @ h_t).float()
-        dn = dz @ w_n
+            q, z[t], rstd[t], c, dz, dzr[t], cs[t], da, gate_part[t], rows * refine, refine, t, BLOCK=ACT_BLOCK)
+        torch.mm(dz, w_n, out=dn)
         has_grad = t > 0
         wrap_triton(_hrm_row_bwd_kernel)[(n_progs,)](
             dn, h_t, rstd[t], w_norm, g_states[t - 1] if has_grad else dn, delta, dw_part, rows, d,
             HAS_GRAD=has_grad, BLOCK_D=block_d, num_warps=row_bwd_warps(block_d))
+    d_up = delta_lp.view(-1, d).t() @ cs.view(-1, refine)
+    # h_0 = x and h_t = states[t-1]: the states are one [T-1, N, D] block already, so x
+    # takes its own GEMM rather than a copy of every state into a stacked operand
+    d_wn = (dzr[0].t() @ x).float()
+    if steps > 1:
+        d_wn += (dzr[1:].reshape(-1, refine).t() @ states[:-1].reshape(-1, d)).float()
     da_lp = da.to(dtype)
     dx = (delta + (da_lp @ w_a).float()).to(dtype)
     d_wa = (da_lp.t() @ x).float()
@@ -291,12 +306,17 @@ def hrm_refinement(
 
 # Pointers every launch passes 16-byte aligned (fresh allocations, contiguous inputs,
 # parameters), which Triton specialises as 16-divisible. Not listed: the per-step views
-# ``states[t]``, ``rstd[t]``, ``z[t]``, ``gate_part[t]`` and ``g_states[t]``, whose
+# ``states[t]``, ``rstd[t]``, ``z[t]``, ``gate_part[t]``, ``g_states[t]``, ``dzr[t]`` and ``cs[t]``, whose
 # offsets are multiples of the row count (aligned only for some N).
 FWD_ALIGNED = ("u_ptr", "c_ptr", "w_ptr", "n_ptr")
 BWD_ALIGNED = ("dn_ptr", "w_ptr", "delta_ptr", "dw_part_ptr")
-SILU_FWD_ALIGNED = ("z_ptr", "s_ptr")
-SILU_BWD_ALIGNED = ("q_ptr", "c_ptr", "dz_ptr", "dzr_ptr", "cs_ptr", "da_ptr")
+SILU_FWD_ALIGNED = ("s_ptr",)
+SILU_BWD_ALIGNED = ("q_ptr", "c_ptr", "dz_ptr", "da_ptr")
+# When N·R is a multiple of 8 (every model size: R is 64–512) each step's slot of the
+# [T, N, R] stacks z, ρ·dz and c·s starts 16-byte aligned as well, which Triton
+# specialises at launch: the binary the common case runs.
+SILU_FWD_SLOTS = ("z_ptr",)
+SILU_BWD_SLOTS = ("z_ptr", "dzr_ptr", "cs_ptr")
 
 
 # At model widths (a row tile of 1024 and more) D is a multiple of 16 in the common case,
@@ -327,12 +347,16 @@ def static_cases() -> Iterator[StaticCase]:
                 yield StaticCase("hrm_row_bwd", _hrm_row_bwd_kernel, bwd_sig,
                                  dict(HAS_GRAD=has_grad, BLOCK_D=block_d), row_bwd_warps(block_d),
                                  tags={"dtype": dt}, divisible=BWD_ALIGNED + (BWD_WIDE if block_d >= WIDE else ()))
-        yield StaticCase("hrm_silu_fwd", _silu_fwd_kernel, dict(z_ptr=p, s_ptr=p, numel="i32"),
-                         dict(BLOCK=ACT_BLOCK), 4, tags={"dtype": dt}, divisible=SILU_FWD_ALIGNED)
-        yield StaticCase("hrm_silu_bwd", _silu_bwd_kernel,
-                         dict(q_ptr=p, z_ptr=p, rstd_ptr="*fp32", c_ptr="*fp32", dz_ptr=p, dzr_ptr=p, cs_ptr=p,
-                              da_ptr="*fp32", part_ptr="*fp32", numel="i32", R="i32", step="i32"),
-                         dict(BLOCK=ACT_BLOCK), 4, tags={"dtype": dt}, divisible=SILU_BWD_ALIGNED)
+        for slots in (False, True):
+            tags = {"dtype": dt} | ({"slots": "aligned"} if slots else {})
+            yield StaticCase("hrm_silu_fwd", _silu_fwd_kernel, dict(z_ptr=p, s_ptr=p, numel="i32"),
+                             dict(BLOCK=ACT_BLOCK), 4, tags=tags,
+                             divisible=SILU_FWD_ALIGNED + (SILU_FWD_SLOTS if slots else ()))
+            yield StaticCase("hrm_silu_bwd", _silu_bwd_kernel,
+                             dict(q_ptr=p, z_ptr=p, rstd_ptr="*fp32", c_ptr="*fp32", dz_ptr=p, dzr_ptr=p, cs_ptr=p,
+                                  da_ptr="*fp32", part_ptr="*fp32", numel="i32", R="i32", step="i32"),
+                             dict(BLOCK=ACT_BLOCK), 4, tags=tags,
+                             divisible=SILU_BWD_ALIGNED + (SILU_BWD_SLOTS if slots else ()))
 
 
 def tour_case(device: torch.device):

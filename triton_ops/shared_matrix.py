@@ -16,6 +16,21 @@ dW       G  [R, C] = (dy/e)ᵀ · x:  grid (R/BN, C/BK, splits of M), K loop ove
          A small block (few tiles) splits M across programs into an fp32 workspace
          reduced in torch, so a 640×640 block still fills the GPU (deterministic).
 Saved for backward: x, the parameter tensors, the keep mask (no W_τ).
+
+Prefill and training sizes (M ≥ CUBLAS_MIN_ROWS) skip the fused fwd and dx: one
+elementwise pass writes W_τ [R, C] in the activation dtype (the same _tier_weight,
+so the reference's roundings), then cuBLAS computes x·W_τᵀ and (dy/e)·W_τ. At the
+goal shape (1024 × 1024 block, M = 16384, bf16) the product is 34.4 GFLOP (34.7 µs
+at 990 TFLOP/s) over ≈ 71 MB (15 µs at 4.8 TB/s): compute-bound. The fused forward
+recombines the block once per 128-row M tile, 128 × 1.05 M elements × ≈ 15 ALU ops
+= 2.0 G ops ≈ 60 µs on the FP32 pipes (≈ 33 T ops/s), with one 8-warp CTA per SM
+(register-limited) issuing HGMMA.64x64x16, so it overlaps little with the MMA:
+≈ 60–113 µs, 31–58 % of peak. Transient: a 6.3 MB pass (≈ 1.3 µs + a launch) and
+cuBLAS at 70–80 %: ≈ 47–52 µs, 67–74 %. The fused path pays ≈ 0.47 µs of combine
+per 128 rows against the transient path's ≈ 3 µs once: equal near 800 rows, hence
+1024. dW keeps its kernel at every M: its K loop has no combine (W_τ only in the
+epilogue, for dσ), while cuBLAS would need dy/e and the masked x written out first
+(two 67 MB passes, ≈ 28 µs next to a 35 µs product).
 """
 from __future__ import annotations
 
@@ -52,6 +67,11 @@ TILES = {
 }
 # dW: an output tile of [BLOCK_R rows, BLOCK_C columns] of W, M streamed in BLOCK_M chunks.
 DW_TILES = {"16bit": (128, 64, 64, 8, 3), "fp32": (64, 64, 32, 8, 2)}
+# From this many rows on, forward and dx combine the tier weight once into a transient
+# [R, C] tensor and hand the product to cuBLAS (module docstring: the arithmetic).
+CUBLAS_MIN_ROWS = 1024
+# The transient combine is elementwise: (BLOCK_R, BLOCK_C, num_warps).
+COMBINE_TILE = (32, 64, 4)
 
 
 def _dtype_class(dtype: torch.dtype) -> str:
@@ -69,6 +89,21 @@ def _tier_weight(w0_ptr, d_ptr, offs, mask, a, b, alpha, SPLIT: tl.constexpr):
         w = ((a * w.to(tl.float32)).to(pdt).to(tl.float32) + (b * dl.to(tl.float32)).to(pdt).to(tl.float32)).to(pdt)
     # σ = 1 when there is no learned scale: an exact multiply and an exact rounding.
     return (w.to(tl.float32) * alpha).to(pdt).to(tl.float32)
+
+
+@triton.jit
+def _tier_weight_kernel(w0_ptr, d_ptr, scale_ptr, w_ptr, R, C, stride_w, a, b, has_scale,
+                        SPLIT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """W_τ [R, C] in the activation dtype (w_ptr's), one pass over the block."""
+    row0 = tl.program_id(0).to(tl.int64) * BLOCK_R
+    col0 = tl.program_id(1).to(tl.int64) * BLOCK_C
+    rr = tl.arange(0, BLOCK_R)
+    cc = tl.arange(0, BLOCK_C)
+    mask = (row0 + rr < R)[:, None] & (col0 + cc < C)[None, :]
+    alpha = tl.load(scale_ptr, mask=has_scale != 0, other=1.0).to(tl.float32)
+    w_base = row0 * stride_w + col0
+    w = _tier_weight(w0_ptr + w_base, d_ptr + w_base, rr[:, None] * stride_w + cc[None, :], mask, a, b, alpha, SPLIT)
+    tl.store(w_ptr + (row0 * C + col0) + (rr[:, None] * C + cc[None, :]), w.to(w_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -205,6 +240,32 @@ def _flags(weight, delta, scale, keep):
             int(scale is not None), int(keep is not None))
 
 
+def _transient(m: int) -> bool:
+    """Prefill and training sizes take the transient weight and cuBLAS (from the shape only)."""
+    return m >= CUBLAS_MIN_ROWS
+
+
+def _transient_weight(weight, delta, scale, rows: int, cols: int, a: float, b: float,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """W_τ = σ·(a·init + b·delta)[:rows, :cols] in ``dtype``, the fused kernels' combine
+    (the reference's roundings) written out once."""
+    w = empty((rows, cols), dtype=dtype, device=weight.device)
+    d, s, _, has_scale, _ = _flags(weight, delta, scale, None)
+    block_r, block_c, warps = COMBINE_TILE
+    wrap_triton(_tier_weight_kernel)[(triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))](
+        weight, d, s, w, rows, cols, weight.stride(0), a, b, has_scale,
+        SPLIT=delta is not None, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+    )
+    return w
+
+
+def _finish(out: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+    """Dropped rows are zero whatever they held (NaN too): the rows of a product are independent."""
+    if keep is not None:
+        out.masked_fill_(~keep[:, None], 0.0)
+    return out
+
+
 @triton_op("laminae::shared_matrix_linear", mutates_args=())
 def shared_matrix_linear(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None,
                          scale: torch.Tensor | None, keep: torch.Tensor | None,
@@ -215,6 +276,10 @@ def shared_matrix_linear(x: torch.Tensor, weight: torch.Tensor, delta: torch.Ten
     one element or None; ``keep``: ``[M]`` bool or None (dropped rows read as 0).
     """
     m = x.shape[0]
+    if _transient(m):
+        # the reference's roundings: the product rounded to x's dtype, then ÷ e
+        y = x @ _transient_weight(weight, delta, scale, rows, cols, a, b, x.dtype).t()
+        return _finish(y.div_(divisor) if divisor != 1.0 else y, keep)
     y = empty((m, rows), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -234,6 +299,9 @@ def _shared_matrix_linear_dx(dy: torch.Tensor, weight: torch.Tensor, delta: torc
                              scale: torch.Tensor | None, keep: torch.Tensor | None,
                              rows: int, cols: int, a: float, b: float, divisor: float) -> torch.Tensor:
     m = dy.shape[0]
+    if _transient(m):
+        dy_e = dy / divisor if divisor != 1.0 else dy  # rounded to dy's dtype, as autograd of the reference
+        return _finish(dy_e @ _transient_weight(weight, delta, scale, rows, cols, a, b, dy.dtype), keep)
     dx = empty((m, cols), dtype=dy.dtype, device=dy.device)
     if m == 0:
         return dx
@@ -381,6 +449,12 @@ def static_cases() -> Iterator[StaticCase]:
                 dx = dict(dy_ptr=f"*{xt}", **params, dx_ptr=f"*{xt}", **scalars)
                 yield StaticCase("shared_matrix_dx", _shared_matrix_dx_kernel, dx,
                                  const, warps, stages, tags=tags | {"tile": tile}, divisible=_pointers(dx))
+            block_r, block_c, warps = COMBINE_TILE
+            combine = dict(w0_ptr=f"*{pt}", d_ptr=f"*{pt}", scale_ptr=f"*{pt}", w_ptr=f"*{xt}", R="i32", C="i32",
+                           stride_w="i32", a="fp32", b="fp32", has_scale="i32")
+            yield StaticCase("shared_matrix_tier_weight", _tier_weight_kernel, combine,
+                             dict(SPLIT=split, BLOCK_R=block_r, BLOCK_C=block_c), warps, tags=tags,
+                             divisible=_pointers(combine))
             block_r, block_c, block_m, warps, stages = DW_TILES[cls]
             dw = dict(dy_ptr=f"*{xt}", x_ptr=f"*{xt}", **params, dw0_ptr=f"*{pt}", dd_ptr=f"*{pt}",
                       part_ptr="*fp32", ws_ptr="*fp32", **scalars, want_w0="i32", want_delta="i32",

@@ -1,3 +1,5 @@
+from importlib import import_module
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,12 +8,15 @@ from hypothesis import strategies as st
 
 from laminae.primitives import BackendUnavailableError, DTypeError
 from laminae.primitives.shared_matrix import Readout, SharedMatrix, shared_matrix_block, shared_matrix_reference
-from laminae.triton_ops.shared_matrix import shared_matrix, shared_matrix_linear
+from laminae.triton_ops.shared_matrix import CUBLAS_MIN_ROWS, DTYPE_PAIRS, shared_matrix, shared_matrix_linear
 from laminae.triton_ops.testing import parity_float64
 
 from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
 from .._fixtures import load_fixture
 from ..primitives._elastic_model import ElasticDecoder
+from .test_launch_configurations import _check
+
+sm_ops = import_module("laminae.triton_ops.shared_matrix")  # the package attribute is the function
 
 GRADS = ["x", "weight", "delta", "scale"]
 
@@ -104,6 +109,42 @@ def test_weight_gradient_without_delta_is_the_float64_truth(tokens):
     assert result.ok, result.report()
 
 
+def _count_transient(monkeypatch, rows: int) -> list:
+    """Lower the cuBLAS threshold to ``rows`` and record each transient tier weight built."""
+    monkeypatch.setattr(sm_ops, "CUBLAS_MIN_ROWS", rows)
+    built, real = [], sm_ops._transient_weight
+    monkeypatch.setattr(sm_ops, "_transient_weight", lambda *args: built.append(args[-1]) or real(*args))
+    return built
+
+
+def test_cublas_threshold_is_inclusive_for_forward_and_dx(monkeypatch):
+    built = _count_transient(monkeypatch, 20)
+    w = torch.randn(12, 9, device=DEVICE)
+    for tokens, want in ((19, 0), (20, 2)):   # one weight for the forward, one for dx
+        built.clear()
+        x = torch.randn(tokens, 8, device=DEVICE, requires_grad=True)
+        shared_matrix(x, w, rows=12, cols=8).sum().backward()
+        assert len(built) == want, tokens
+
+
+# (split, scaled, masked): delta, learned scale and keep mask each on and off
+TRANSIENT_VARIANTS = [(True, True, True), (True, False, False), (False, True, False), (False, False, True)]
+PAIR_IDS = [f"{a}-{b}".replace("torch.", "") for a, b in DTYPE_PAIRS]
+
+
+@pytest.mark.parametrize("split, scaled, masked", TRANSIENT_VARIANTS)
+@pytest.mark.parametrize("x_dtype, p_dtype", DTYPE_PAIRS, ids=PAIR_IDS)
+def test_transient_weight_and_cublas_path_against_float64(monkeypatch, x_dtype, p_dtype, split, scaled, masked):
+    # 20 tokens at a threshold of 20; the block spans two combine tiles each way, ragged
+    built = _count_transient(monkeypatch, 20)
+    rows, cols = sm_ops.COMBINE_TILE[0] + 13, sm_ops.COMBINE_TILE[1] + 6
+    inp = _inputs(lead=(2, 10) if masked else (20,), out_features=rows + 3, in_features=cols + 5, rows=rows,
+                  cols=cols, ratio=3.0, split=split, scaled=scaled, masked=masked, divisor=3.0, scale=1.0, seed=6,
+                  dtype=x_dtype, param_dtype=p_dtype)
+    _check(shared_matrix, shared_matrix_reference, inp, [k for k in GRADS if k in inp], x_dtype)
+    assert built and set(built) == {x_dtype}
+
+
 def test_modules_on_triton_backend_match_reference_with_parameter_grads():
     torch.manual_seed(0)
     cases = ((SharedMatrix(70, 50, base_fan_in=10), lambda m, x: m(x, rows=61, ratio=3.0, output_divisor=4.0)),
@@ -192,7 +233,7 @@ def test_opcheck_full_gpu():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, param_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
                                                 (torch.bfloat16, torch.float32), (torch.float16, torch.float32)])
-@pytest.mark.parametrize("tokens", [1, 37, 1000])
+@pytest.mark.parametrize("tokens", [1, 37, 1000, CUBLAS_MIN_ROWS])   # decode and prefill tiles, then cuBLAS
 def test_kernel_matches_reference_low_precision(dtype, param_dtype, tokens):
     inp = _inputs(lead=(tokens,), out_features=1100, in_features=700, rows=1000, cols=640, ratio=10.0, split=True,
                   scaled=True, masked=False, divisor=4.0, scale=1.0, seed=0, dtype=dtype, param_dtype=param_dtype)
