@@ -139,6 +139,65 @@ def test_segment_memories_every_launch_matches_float64(kind, dtype):
             assert rel <= bound, (block_d, got.dtype, rel, bound)
 
 
+def _launch_runs():
+    """(dtype, kind, BLOCK_D) of each 16-bit launch ``static_cases()`` declares: one op call
+    launches all five kernels of one. The fp32 configurations run in the tests above."""
+    return sorted({(c.tags["dtype"], c.tags["kind"], c.constexprs["BLOCK_D"]) for c in mc.static_cases()
+                   if c.tags["dtype"] != "fp32"})
+
+
+LAUNCH_RUNS = _launch_runs()
+
+
+def _assert_16bit_against_float64(inp, dtype):
+    """Output and every gradient against the float64 truth by relative RMSE, within the
+    dtype's bound (FLOAT64_REL_RMSE) or SAME_DTYPE_FACTOR times the error of the reference
+    on the same 16-bit inputs (it computes in fp32), as test_launch_configurations.py
+    judges; dq within twice that factor. The kernel holds the memories M_i in the input
+    dtype (tensor-core operands) and reads y back in it, and both enter the cancelling
+    sum dN·M_iᵀ + dD·z_iᵀ: dq lands near 4x the reference's error (bf16 about 6.5e-3
+    against 1.6e-3; about 1.5x with fp32 memories and an exact y). A tile or mask bug
+    is O(1)."""
+    from laminae.triton_ops._parity import _run
+    from laminae.triton_ops.testing import FLOAT64_ABS_RMS
+
+    from .test_launch_configurations import SAME_DTYPE_FACTOR
+
+    out, grads, up = _run(memory_caching, inp, GRADS, None, 0, None)
+    truth = _run(memory_caching_reference, inp, GRADS, up, 0, torch.float64)
+    same = _run(memory_caching_reference, inp, GRADS, up, 0, None)
+    failures = []
+    for name in ["y", *(f"d{k}" for k in GRADS)]:
+        a, b, c = ((run[0][0] if name == "y" else run[1][name[1:]]).detach().double()
+                   for run in ((out, grads), truth, same))
+        err, ref, err_same = (float(torch.linalg.vector_norm(t)) for t in (a - b, b, c - b))
+        factor = SAME_DTYPE_FACTOR * (2 if name == "dq" else 1)
+        bound = max(FLOAT64_REL_RMSE[dtype] * ref + FLOAT64_ABS_RMS * b.numel() ** 0.5, factor * err_same)
+        if not err <= bound:
+            failures.append(f"{name}: relative RMSE {err / ref:.3e} > {bound / ref:.3e} (the reference on "
+                            f"{dtype} inputs: {err_same / ref:.3e})")
+    assert not failures, "op differs from the float64 truth:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype, kind, block_d", LAUNCH_RUNS, ids=["-".join(map(str, r)) for r in LAUNCH_RUNS])
+def test_every_16bit_launch_configuration_against_float64(dtype, kind, block_d):
+    """Each 16-bit configuration the CUDA path picks, in its own dtype, selected by the
+    launcher's own ``_kind``/``_config``, output and every gradient against the float64
+    reference. Rows: a block and a ragged second (segments of 3/8 of a block cross block
+    boundaries, the last one short; dM's token walk takes two blocks, the last ragged;
+    bwd_kv's BLOCK_Q steps end ragged); head dim ragged against BLOCK_D, BLOCK_R and
+    BLOCK_E where the kind allows (the aligned kind needs D % 16 == 0); padding holes."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    D = (block_d - 16 if block_d >= 64 else block_d) if kind == "16bit" else block_d - 3
+    block_l = mc._config(kind, D)[0]
+    S, L = block_l + block_l // 2 + block_l // 8 + 1, 3 * block_l // 8
+    gen = torch.Generator().manual_seed(block_d)
+    inp = _inputs(1, S, 2, D, 4, L, False, 1.0, block_d, dtype=dtype)
+    inp["attention_mask"] = keep_mask(1, S, gen)
+    assert mc._kind(inp["q"], inp["k"], inp["v"]) == kind and mc._config(kind, D)[2] == block_d
+    _assert_16bit_against_float64(inp, dtype)
+
+
 def test_launch_kind_follows_dtype_head_dim_and_alignment():
     """The wide 16-bit tiles only where Triton's launch specialises 16-byte vectors."""
     t = torch.zeros(2, 5, 2, 64, dtype=torch.bfloat16)
