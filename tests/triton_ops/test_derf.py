@@ -1,4 +1,5 @@
 import copy
+import math
 
 import pytest
 import torch
@@ -425,31 +426,122 @@ def test_compile_fullgraph_smoke():
     torch.testing.assert_close(y, gate(x, retrieved=r))
 
 
-# Every tile configuration the CUDA path can pick (derf.TILES, through the same _tiles
-# lookup), in its own dtype against float64: S spans two query and key tiles of every
-# kernel plus a ragged last one, with cached keys (N > S) and a key mask (GQA in bf16),
-# so the full key blocks (no causal test) and the diagonal ones both run in each. fp32
-# at head dims <= 64 (32-row tiles) spans two tiles in the tests above.
-def _config_cases():
-    from laminae.triton_ops.derf import TILES, _block_d, _tiles
+# Every launch configuration the CUDA path can pick, derived from static_cases(): one call
+# of the op per (dtype, head-dim tile, key mask) launches the forward, δ, dQ and dK/dV
+# kernels of that configuration, and the gate's dtypes run its two kernels. The tiles
+# come from the op's own lookup (_block_d, _tiles, _split), checked against the static
+# case. S spans two query and key tiles of every kernel plus a ragged last one, with
+# cached keys (N > S); masked runs hold a full head dim and left padding, unmasked ones a
+# ragged head dim (the BLOCK_D tile's last columns masked); GQA in bf16 masked, fp16 and
+# fp32 unmasked. Tolerances: test_launch_configurations' table (float64 truth).
+def _bias_grad_magnitude(inp, upstream):
+    """[H] float64: the size of the terms whose sum is ∂b, dz_ij = dw_ij·γ/√π·exp(−z_ij²)
+    with dw_ij = (dout_i·v_j − δ_i)·rden_i (module docstring of triton_ops/derf.py). They
+    cancel (∂b is often far smaller than they are), so its rounding is relative to them:
+    each row's terms share δ_i, whose rounding is coherent along the row, and the rows
+    round independently, so Σ_j over a row by magnitude (|dout_i·v_j| + |δ_i|), then the
+    root of the sum of squares over the rows."""
+    t = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in inp.items()}
+    q, k, v = t["q"], t["k"], t["v"]
+    B, S, H, D = q.shape
+    N, group = k.shape[1], H // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    alpha, bias, gamma = (t[n].view(1, H, 1, 1) for n in ("derf_alpha", "derf_bias", "derf_gamma"))
+    z = alpha * torch.einsum("bshd,bnhd->bhsn", q, k) / D**0.5 + bias
+    visible = torch.ones(S, N, dtype=torch.bool, device=q.device).tril(N - S)[None, None]
+    if t.get("attention_mask") is not None:
+        visible = visible & t["attention_mask"].bool()[:, None, None, :]
+    w = torch.where(visible, gamma * torch.special.erfc(-z) / 2, 0.0)
+    den = w.sum(-1, keepdim=True) + 1e-8
+    dout = upstream.double().transpose(1, 2)
+    delta = (dout * torch.einsum("bhsn,bnhd->bhsd", w, v) / den).sum(-1, keepdim=True)
+    dw = torch.where(visible, (torch.einsum("bhsd,bnhd->bhsn", dout, v).abs() + delta.abs()) / den, 0.0)
+    rows = (dw * gamma.abs() * torch.exp(-z * z) / math.pi**0.5).sum(-1)
+    return rows.pow(2).sum(dim=(0, 2)).sqrt()
 
-    cases = []
-    for dtype, dims in ((torch.bfloat16, (16, 32, 64, 128, 256)), (torch.float16, (16, 32, 64, 128, 256)),
-                        (torch.float32, (128, 256))):
-        for d in dims:
-            assert _block_d(d) in TILES[("fwd", "fp32")]
-            widest = max(max(_tiles(kind, dtype, _block_d(d))[:2]) for kind in ("fwd", "dq", "dkdv"))
-            cases.append(pytest.param(dtype, d, 2 * widest + 5, id=f"{str(dtype)[6:]}-D{d}"))
-    return cases
+
+def _check_attention(inp, dtype):
+    """Output and every gradient against float64 by relative RMSE, bounded as
+    test_launch_configurations._check does; ∂b's bound as well relative to
+    :func:`_bias_grad_magnitude`."""
+    from laminae.triton_ops._parity import _run
+    from laminae.triton_ops.testing import FLOAT64_ABS_RMS
+
+    from .._helpers import FLOAT64_REL_RMSE
+    from .test_launch_configurations import SAME_DTYPE_FACTOR
+
+    out_a, grad_a, up = _run(derf_attention, inp, ATTN_GRADS, None, 0, None)
+    out_b, grad_b, _ = _run(derf_attention_reference, inp, ATTN_GRADS, up, 0, torch.float64)
+    same = {}
+    if dtype != torch.float32:   # the reference with every floating input in the dtype
+        cast = {n: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for n, x in inp.items()}
+        out_c, grad_c, _ = _run(derf_attention_reference, cast, ATTN_GRADS, up, 0, None)
+        same = {"out": out_c[0], **{f"d{n}": grad_c[n] for n in ATTN_GRADS}}
+    pairs = [("out", out_a[0], out_b[0])] + [(f"d{n}", grad_a[n], grad_b[n]) for n in ATTN_GRADS]
+    rel = FLOAT64_REL_RMSE[dtype]
+    failures = []
+    for name, a, b in pairs:
+        a, b = a.detach().double(), b.detach().double()
+        err, norm = float(torch.linalg.vector_norm(a - b)), float(torch.linalg.vector_norm(b))
+        bound = rel * norm + FLOAT64_ABS_RMS * b.numel() ** 0.5
+        if name in same:
+            bound = max(bound, SAME_DTYPE_FACTOR * float(torch.linalg.vector_norm(same[name].detach().double() - b)))
+        if name == "dderf_bias":
+            bound = max(bound, rel * float(torch.linalg.vector_norm(_bias_grad_magnitude(inp, up[0]))))
+        if not err <= bound:
+            failures.append(f"{name}: ‖a−b‖ = {err:.3e} > {bound:.3e} (relative {err / max(norm, 1e-30):.3e})")
+    assert not failures, "op differs from the float64 truth:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("dtype, D, S", _config_cases())
-def test_attention_every_tile_configuration_against_float64(dtype, D, S):
-    heads = (2, 1) if dtype == torch.bfloat16 else (1, 1)
-    inp = _attn_inputs(1, S, 3, *heads, D, True, 1.0, 1.0, seed=D + S, dtype=dtype)
-    # db = Σ_ij dz_ij sums terms of both signs over every pair, so its rounding is
-    # relative to Σ|dz|, not to the (here often near-zero) sum: the fp32 and the 16-bit
-    # stress tests above hold it; the relative-RMSE bound would test the cancellation
-    grads = [g for g in ATTN_GRADS if g != "derf_bias"]
-    result = parity_float64(derf_attention, derf_attention_reference, inp, grads)
-    assert result.ok, result.report()
+def _attention_runs():
+    return sorted({(c.tags["dtype"], c.constexprs["BLOCK_D"], c.constexprs["HAS_MASK"])
+                   for c in static_cases() if c.name == "derf_fwd"})
+
+
+ATTENTION_RUNS = _attention_runs()
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("dtype, block_d, masked", ATTENTION_RUNS,
+                         ids=[f"{dt}-D{bd}-{'mask' if m else 'nomask'}" for dt, bd, m in ATTENTION_RUNS])
+def test_attention_every_launch_configuration_against_float64(dtype, block_d, masked):
+    from laminae.triton_ops.derf import _block_d, _split, _tiles
+
+    torch_dtype = _DTYPES[dtype]
+    D = block_d if masked else block_d * 3 // 4
+    assert _block_d(D) == block_d
+    kinds = {"derf_fwd": "fwd", "derf_bwd_dq": "dq", "derf_bwd_dkdv": "dkdv"}
+    for case in static_cases():
+        if (case.name in kinds and case.tags["dtype"] == dtype and case.constexprs["BLOCK_D"] == block_d
+                and case.constexprs["HAS_MASK"] == masked):
+            kind = kinds[case.name]
+            assert _tiles(kind, torch_dtype, block_d)[:2] == (case.constexprs["BLOCK_M"], case.constexprs["BLOCK_N"])
+            assert _split(kind, torch_dtype, block_d) == case.constexprs["SPLIT"]
+    widest = max(max(_tiles(kind, torch_dtype, block_d)[:2]) for kind in kinds.values())
+    S = 2 * widest + 5
+    heads = (2, 1) if masked == (dtype == "bf16") else (1, 1)
+    inp = _attn_inputs(1, S, 3, *heads, D, masked, 1.0, 1.0, seed=D + S, dtype=torch_dtype)
+    _check_attention(inp, torch_dtype)
+
+
+GATE_DTYPES = sorted({c.tags["dtype"] for c in static_cases() if c.name == "derf_gate_fwd"})
+
+
+@pytest.mark.parametrize("dtype", GATE_DTYPES)
+def test_context_gate_every_launch_configuration_against_float64(dtype):
+    from laminae.triton_ops.derf import GATE_BLOCK_F, GATE_BLOCK_R
+
+    from .test_launch_configurations import _check
+
+    # five row tiles (the backward's four CPU programs: one walks two), ragged; two
+    # feature tiles and a ragged one
+    rows, feats = 4 * GATE_BLOCK_R + 3, 2 * GATE_BLOCK_F + 5
+    gen = torch.Generator().manual_seed(9)
+    inp = {
+        "retrieved": torch.randn(rows, feats, generator=gen).to(DEVICE, _DTYPES[dtype]),
+        "logits": (2.0 * torch.randn(rows, feats, generator=gen)).to(DEVICE, _DTYPES[dtype]),
+        "alpha": (1.0 + 0.3 * torch.randn(feats, generator=gen)).to(DEVICE),
+        "bias": (torch.randn(feats, generator=gen) - 1.0).to(DEVICE),
+        "gamma": (1.0 + 0.2 * torch.randn(feats, generator=gen)).to(DEVICE),
+    }
+    _check(derf_context_gate, derf_context_gate_reference, inp, GATE_GRADS, _DTYPES[dtype])

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from laminae.primitives import BackendUnavailableError, DTypeError
-from laminae.primitives.elo_attention import EloAttention, elo_attention_reference
+from laminae.primitives.elo_attention import EloAttention, elo_attention_reference, full_prior
 from laminae.triton_ops.elo_attention import elo_attention, elo_attention_op
 
 from .._decoding import prefill_then_decode
@@ -190,23 +190,99 @@ def test_compile_fullgraph_smoke():
     torch.testing.assert_close(rating, ref_rating)
 
 
-def _config_cases():
-    cases = []
-    for dtype in (torch.bfloat16, torch.float16):
-        for d in (16, 32, 64, 128):
-            t = elo_triton.tiles(d, dtype)   # the lookup the CUDA path makes
-            widest = max(t.block_m, *(t.of(k)[0] for k in elo_triton.KERNELS))
-            cases.append(pytest.param(dtype, d, 2 * widest + 5, id=f"{str(dtype)[6:]}-D{d}"))
-    return cases
+# Every launch configuration the CUDA path can pick, derived from static_cases(): one call
+# per (dtype, head-dim tile) launches the three forward, the δ and the three backward
+# kernels of that configuration, through the op's own tiles() lookup (checked against the
+# static case). Two query and key tiles of every kernel plus a ragged one, cached keys
+# with a prior, a ragged key mask with left padding, GQA in bf16 and fp32. Tolerances:
+# test_launch_configurations' table (float64 truth), and ∂gain relative to its terms.
+def _gain_grad_magnitude(inp, upstream):
+    """[H] float64: the size of the terms whose sum is ∂elo_gain, dz_ij·(prior_j + intra_ij)
+    times tanh′, with dz_ij = a_ij·(dO_i·v_j − δ_i) (module docstring of
+    triton_ops/elo_attention.py). dz sums to 0 over each row, so ∂gain cancels and its
+    rounding (δ from the 16-bit output included) is relative to the terms: each row's
+    terms share δ_i, whose rounding is coherent along the row, and the rows round
+    independently, so Σ_j over a row by magnitude (|dO_i·v_j| + |δ_i|), then the root of
+    the sum of squares over the rows."""
+    import torch.nn.functional as F
+
+    from laminae.primitives._attention import visible_keys
+
+    t = {n: (x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x) for n, x in inp.items()}
+    q, k, v = t["q"], t["k"], t["v"]
+    B, S, H, D = q.shape
+    N, group = k.shape[1], H // k.shape[2]
+    k, v = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    scores = torch.einsum("bshd,bnhd->bhsn", q, k) / D**0.5
+    visible = visible_keys(S, N, t.get("attention_mask"), q.device)
+    prior = full_prior(t.get("prior_rating"), B, H, N, torch.float64, q.device)[:, :, None, :]
+    K, gain = F.softplus(t["elo_log_k"]).view(1, H, 1, 1), torch.tanh(t["elo_gain"]).view(1, H, 1, 1)
+
+    def softmax(x):
+        return torch.where(visible, torch.softmax(x.masked_fill(~visible, float("-inf")), -1), 0.0).nan_to_num()
+
+    d_rating = K * (softmax(scores) - 1.0 / visible.sum(-1, keepdim=True).clamp(min=1)) * visible
+    logit = prior + torch.cumsum(d_rating, dim=2) - d_rating
+    a = softmax(scores + gain * logit)
+    dout = upstream.double().transpose(1, 2)
+    delta = (dout * torch.einsum("bhsn,bnhd->bhsd", a, v)).sum(-1, keepdim=True)
+    dp = torch.einsum("bhsd,bnhd->bhsn", dout, v)
+    rows = (a * (dp.abs() + delta.abs()) * logit.abs()).sum(-1)
+    return rows.pow(2).sum(dim=(0, 2)).sqrt() * (1 - gain.flatten() ** 2)
 
 
-@pytest.mark.parametrize("dtype, D, S", _config_cases())
-def test_every_16bit_tile_configuration_against_float64(dtype, D, S):
-    # two query and key tiles of every kernel plus a ragged one, cached keys, a ragged
-    # key mask, GQA in bf16; base-2 scores and the δ row kernel in every configuration
-    from laminae.triton_ops.testing import parity_float64
+def _check_every_output(inp, dtype):
+    """test_launch_configurations._check, one call of the op; ∂gain's bound as well
+    relative to :func:`_gain_grad_magnitude`."""
+    from laminae.triton_ops._parity import _run
+    from laminae.triton_ops.testing import FLOAT64_ABS_RMS
 
-    heads = (2, 1) if dtype == torch.bfloat16 else (1, 1)
-    inp = _inputs(1, S, 3, *heads, D, "ragged", 1.0, 1.0, D + S, dtype=dtype)
-    result = parity_float64(elo_attention, elo_attention_reference, inp, GRADS, output_names=OUTPUTS)
-    assert result.ok, result.report()
+    from .._helpers import FLOAT64_REL_RMSE
+    from .test_launch_configurations import SAME_DTYPE_FACTOR
+
+    grads = [n for n in GRADS if n in inp]
+    out_a, grad_a, up = _run(elo_attention, inp, grads, None, 0, None)
+    out_b, grad_b, _ = _run(elo_attention_reference, inp, grads, up, 0, torch.float64)
+    same = {}
+    if dtype != torch.float32:   # the reference with every floating input in the dtype
+        cast = {n: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for n, x in inp.items()}
+        out_c, grad_c, _ = _run(elo_attention_reference, cast, grads, up, 0, None)
+        same = {**dict(zip(OUTPUTS, out_c)), **{f"d{n}": grad_c[n] for n in grads}}
+    pairs = list(zip(OUTPUTS, out_a, out_b)) + [(f"d{n}", grad_a[n], grad_b[n]) for n in grads]
+    rel = FLOAT64_REL_RMSE[dtype]
+    failures = []
+    for name, a, b in pairs:
+        a, b = a.detach().double(), b.detach().double()
+        err, norm = float(torch.linalg.vector_norm(a - b)), float(torch.linalg.vector_norm(b))
+        bound = rel * norm + FLOAT64_ABS_RMS * b.numel() ** 0.5
+        if name in same:
+            bound = max(bound, SAME_DTYPE_FACTOR * float(torch.linalg.vector_norm(same[name].detach().double() - b)))
+        if name == "delo_gain":
+            bound = max(bound, rel * float(torch.linalg.vector_norm(_gain_grad_magnitude(inp, up[0]))))
+        if not err <= bound:
+            failures.append(f"{name}: ‖a−b‖ = {err:.3e} > {bound:.3e} (relative {err / max(norm, 1e-30):.3e})")
+    assert not failures, "op differs from the float64 truth:\n" + "\n".join(failures)
+
+
+def _launch_runs():
+    return sorted({(c.tags["dtype"], c.constexprs["BLOCK_D"]) for c in elo_triton.static_cases()
+                   if c.name == "elo_fwd_stats"})
+
+
+LAUNCH_RUNS = _launch_runs()
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("dtype, D", LAUNCH_RUNS, ids=[f"{dt}-D{d}" for dt, d in LAUNCH_RUNS])
+def test_every_launch_configuration_against_float64(dtype, D):
+    torch_dtype = _DTYPES[dtype]
+    t = elo_triton.tiles(D, torch_dtype)   # the lookup the CUDA path makes
+    for case in elo_triton.static_cases():
+        kernel = case.name.split("_", 2)[-1]
+        if case.tags["dtype"] == dtype and case.constexprs["BLOCK_D"] == D and kernel in elo_triton.KERNELS:
+            assert (t.block_m, t.of(kernel)[0]) == (case.constexprs["BLOCK_M"], case.constexprs["BLOCK_N"])
+    widest = max(t.block_m, *(t.of(k)[0] for k in elo_triton.KERNELS))
+    S = 2 * widest + 5
+    heads = (1, 1) if dtype == "fp16" else (2, 1)
+    inp = _inputs(1, S, 3, *heads, D, "ragged", 1.0, 1.0, D + S, dtype=torch_dtype)
+    _check_every_output(inp, torch_dtype)
