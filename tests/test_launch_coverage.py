@@ -32,6 +32,14 @@ def test_a_configuration_no_launch_ran_is_named_and_fails():
     assert any("1 more on the allow-list" in line for line in lines)
 
 
+def test_an_allow_listed_configuration_that_ran_fails_until_its_line_goes():
+    cov = {"xsa": (2, 3, ["xsa_fwd[bf16: NORMALIZED=False]"])}
+    ran = "xsa: xsa_bwd[bf16: NORMALIZED=False]"
+    _, failures = lc.summary(cov, allow={"xsa: xsa_fwd[bf16: NORMALIZED=False]", ran, "derf: derf_fwd[x]"})
+    assert failures == [f"{ran}  (allow-listed but not missing: delete the line)"]  # other stems: not checked
+    assert lc.summary(cov, allow={"xsa: xsa_fwd[bf16: NORMALIZED=False]"})[1] == []
+
+
 def test_a_width_does_not_make_a_configuration_but_a_dtype_or_tile_does():
     configs = lc.static_configurations(["xsa", "shared_matrix"])
     case = next(iter(configs["xsa"].values()))[0]
