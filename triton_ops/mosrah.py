@@ -426,9 +426,12 @@ def tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
     return _TILES_16BIT[block_u]
 
 
-def cached_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the cached attention kernel."""
-    return _TILES_CACHED[_blocks(head_dim)[1]]
+def cached_tiles(head_dim: int, split: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the cached attention kernel; its split-K form
+    takes 8 warps from head dim 64 on (at 4 warps the fp32-cache u = 64 split kernel
+    spills, 255 registers; at 8 it holds 80 and 3 CTAs/SM)."""
+    block_m, block_n, warps = _TILES_CACHED[_blocks(head_dim)[1]]
+    return block_m, block_n, 8 if split and _blocks(head_dim)[1] >= 64 else warps
 
 
 def cached_splits(heads: int, queries: int, rows: int, head_dim: int) -> tuple[int, int]:
@@ -527,10 +530,10 @@ def _mosrah_cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     from . import _flash
 
     B, L, T, U = q.shape
-    block_m, block_n, warps = cached_tiles(U)
     block_u = _blocks(U)[1]
     z = empty(q.shape, dtype=q.dtype, device=q.device)
     splits, per = cached_splits(B * L, T, keys.shape[1], U)
+    block_m, block_n, warps = cached_tiles(U, splits > 1)
     part = ml = None
     if splits > 1:
         part = empty((B * L * splits * block_m, block_u), dtype=torch.float32, device=q.device)
@@ -712,8 +715,8 @@ def static_cases() -> Iterator[StaticCase]:
             # a head dim that is not a multiple of 16 (u − 2) launches unspecialised, with its own tiles
             yield from _attention_cases(p, tiles(head_dim - 2, dtype), const, tags | {"head_dim": head_dim - 2},
                                         {}, ())
-            c_m, c_n, c_warps = cached_tiles(head_dim)
             for split in (False, True):
+                c_m, c_n, c_warps = cached_tiles(head_dim, split)
                 yield StaticCase("mosrah_cached", _mosrah_cached_kernel,
                                  dict(q_ptr="*fp32", k_ptr=p, v_ptr=p, limit_ptr="*i32", z_ptr="*fp32",
                                       part_ptr="*fp32", ml_ptr="*fp32", L="i32", T="i32", U="i32", stride_kb="i32",
