@@ -246,12 +246,16 @@ def _flash_fwd_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, o_ptr, lse_ptr,
 
 @triton.jit
 def _flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, ml_ptr,
-                         S, N, H, HKV, D, qk_scale, WINDOW, SPLIT_N, SPLITS,
+                         S, N, H, HKV, D, qk_scale, WINDOW, SPLIT_N, SPLITS, STRIDE_KB, STRIDE_VB, STRIDE_N,
                          HAS_MASK: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, PRECISION: tl.constexpr):
     """Split-K decoding (flash-decoding): the S ≤ BLOCK_M newest queries of one (b, h)
     over the keys ``[split·SPLIT_N, (split+1)·SPLIT_N)``; writes the unnormalised
-    partial output and its (running max, sum) in base 2 for :func:`_flash_decode_combine`."""
+    partial output and its (running max, sum) in base 2 for :func:`_flash_decode_combine`.
+
+    K and V are read through their batch strides (``STRIDE_KB``, ``STRIDE_VB``) and a
+    shared row stride ``STRIDE_N`` (each row's ``[HKV, D]`` dense), so a cache's live
+    rows are read in place from its larger storage."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -264,8 +268,8 @@ def _flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, ml_ptr,
     row_ok = rows < S
     q_off = rows[:, None] * (H * D) + offs_d[None, :]
     q = _load(q_ptr + (b * S * H + h) * D + q_off, row_ok, d_ok, True, EVEN_D)
-    k_base = k_ptr + (b * N * HKV + kvh) * D
-    v_base = v_ptr + (b * N * HKV + kvh) * D
+    k_base = k_ptr + b * STRIDE_KB + kvh * D                             # int64 (b is), int32 tile offsets
+    v_base = v_ptr + b * STRIDE_VB + kvh * D
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -273,7 +277,7 @@ def _flash_decode_kernel(q_ptr, k_ptr, v_ptr, mask_ptr, part_ptr, ml_ptr,
     s0 = split * SPLIT_N
     s1 = s0 + SPLIT_N
     args = (q, k_base, v_base, mask_ptr, b, rows)
-    tail = (S, N, HKV * D, qk_scale, WINDOW, offs_n, offs_d, d_ok, HAS_MASK, HAS_WINDOW)
+    tail = (S, N, STRIDE_N, qk_scale, WINDOW, offs_n, offs_d, d_ok, HAS_MASK, HAS_WINDOW)
     if HAS_WINDOW:
         acc, m_i, l_i = _fwd_blocks(acc, m_i, l_i, *args, tl.maximum(lo, s0), tl.minimum(tl.minimum(full_lo, hi), s1),
                                     *tail, True, BLOCK_N, EVEN_D, PRECISION)
@@ -734,25 +738,41 @@ def decode_splits(batch_heads: int, n: int, block_n: int) -> tuple[int, int]:
     return triton.cdiv(n, per), per
 
 
+def _dense_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [B, N, HKV, D]`` as it is when every row's ``[HKV, D]`` block is dense (any
+    batch and row strides: a view of a cache's storage), else a contiguous copy."""
+    _, _, hkv, d = t.shape
+    dense = (d == 1 or t.stride(3) == 1) and (hkv == 1 or t.stride(2) == d)
+    return t if dense else t.contiguous()
+
+
 def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
     """The forward of :func:`flash_forward` for a decoding step (``S ≤ 16`` newest
     queries over ``N`` cached keys), split over the keys (flash-decoding): each
     program reduces one chunk of keys for one (b, h) to an fp32 partial, a second
-    kernel merges the partials. Not differentiable (decoding is inference)."""
+    kernel merges the partials. Not differentiable (decoding is inference).
+
+    ``k`` and ``v`` may be views into larger storage (the first ``N`` rows of a
+    cache's buffer): they are read in place through their batch and row strides,
+    without a copy, when each row's ``[HKV, D]`` is dense and both share one row
+    stride; ``q`` is made contiguous, ``key_mask`` is contiguous int8 (:func:`mask_arg`)."""
     B, S, H, D = q.shape
     N, HKV = k.shape[1], k.shape[2]
     if S > DECODE_MAX_QUERIES:
         raise ShapeError(f"flash_decode takes at most {DECODE_MAX_QUERIES} queries, got S={S}")
     bd = block_d(D)
     if not decode_split(bd, q.dtype == torch.float32):
-        return flash_forward(q, k, v, key_mask)[0]
-    q, k, v = _aligned(q), _aligned(k), _aligned(v)
+        return flash_forward(q.contiguous(), k.contiguous(), v.contiguous(), key_mask)[0]
+    q, k, v = _aligned(q.contiguous()), _aligned(_dense_rows(k)), _aligned(_dense_rows(v))
+    if N > 1 and k.stride(1) != v.stride(1):
+        k, v = k.contiguous(), v.contiguous()
     block_n = decode_block_n(bd, q.dtype == torch.float32)
     splits, per = decode_splits(B * H, N, block_n)
     part = empty((B * H * splits * DECODE_MAX_QUERIES, bd), dtype=torch.float32, device=q.device)
     ml = empty((B * H * splits * DECODE_MAX_QUERIES, 2), dtype=torch.float32, device=q.device)
     wrap_triton(_flash_decode_kernel)[(B * H, splits)](
         q, k, v, key_mask, part, ml, S, N, H, HKV, D, LOG2E / math.sqrt(D), 0, per, splits,
+        k.stride(0), v.stride(0), k.stride(1),
         HAS_MASK=key_mask is not None, HAS_WINDOW=False, BLOCK_M=DECODE_MAX_QUERIES, BLOCK_N=block_n,
         BLOCK_D=bd, EVEN_D=even_d(D, q.dtype), PRECISION=dot_precision(q.dtype), num_warps=decode_warps(bd),
         num_stages=2)
@@ -941,7 +961,8 @@ def static_cases(out_dtypes: tuple[str, ...] | None = None,
                                    if decode_split(bd, fp32)):
                 yield StaticCase("flash_decode", _flash_decode_kernel,
                                  dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", part_ptr="*fp32", ml_ptr="*fp32")
-                                 | scalars | dict(WINDOW="i32", SPLIT_N="i32", SPLITS="i32"),
+                                 | scalars | dict(WINDOW="i32", SPLIT_N="i32", SPLITS="i32", STRIDE_KB="i32",
+                                                  STRIDE_VB="i32", STRIDE_N="i32"),
                                  dict(HAS_MASK=has_mask, HAS_WINDOW=False, BLOCK_M=DECODE_MAX_QUERIES,
                                       BLOCK_N=decode_block_n(bd, fp32), BLOCK_D=bd, EVEN_D=ev_d, PRECISION=precision),
                                  decode_warps(bd), 2, tags={"dtype": dt})

@@ -33,7 +33,9 @@ needs no host-side count):
   fp32 copy rows until a row kernel rotates them back by −angle into their pairs.
   No atomics: every output row has one writer, so results are run-to-run
   deterministic.
-- cached: a chunk's rotated queries over a decoding cache's rows (inference).
+- cached: a chunk's rotated queries over a decoding cache's rows (inference); a
+  chunk of one query tile over a long cache splits the rows over programs and the
+  flash-decoding merge of ``_flash`` combines the partials.
 
 Nothing S×S is stored: the backward saves the packed q̃, k̃, v, Z (dense, u-wide) and the LSE per copy.
 """
@@ -312,13 +314,18 @@ def _mosrah_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, cu_ptr, tok_ptr, live_ptr, dz_p
 
 
 @triton.jit
-def _mosrah_cached_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, z_ptr, L, T, U,
-                          stride_kb, stride_kj, qk_scale,
+def _mosrah_cached_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, z_ptr, part_ptr, ml_ptr, L, T, U,
+                          stride_kb, stride_kj, qk_scale, SPLIT_N,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     """A chunk's packed queries ``[B, L, T, U]`` (rotated) over the cache rows of their
     head: query t sees rows ``j < limit[b, l, t]`` (0 for dead queries). The key loop
-    stops at the tile's largest limit, so a decode step reads only the head's rows."""
+    stops at the tile's largest limit, so a decode step reads only the head's rows.
+
+    SPLIT (one query tile, T ≤ BLOCK_M): program ``split`` (axis 2) takes the rows
+    ``[split·SPLIT_N, (split+1)·SPLIT_N)`` and writes its unnormalised partial and
+    (running max, sum) in base 2, in the layout ``_flash._flash_decode_combine`` merges
+    (a head's ``(b, l)`` as its ``(b, h)``)."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     b = pid_s // L
@@ -336,7 +343,11 @@ def _mosrah_cached_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, z_ptr, L, T, U,
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_U), dtype=tl.float32)
     hi = tl.max(limit, 0)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if SPLIT:
+        lo = tl.program_id(2) * SPLIT_N
+        hi = tl.minimum(hi, lo + SPLIT_N)
+    for start_n in range(lo, hi, BLOCK_N):
         local_n = start_n + tl.arange(0, BLOCK_N)
         col_ok = local_n < hi
         offs = kbase + local_n[:, None] * stride_kj + offs_u[None, :]
@@ -352,9 +363,15 @@ def _mosrah_cached_kernel(q_ptr, k_ptr, v_ptr, limit_ptr, z_ptr, L, T, U,
         v = tl.load(v_ptr + offs, mask=col_ok[:, None] & u_ok, other=0.0).to(q.dtype)
         acc = acc * corr[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    z = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(z_ptr + qbase + local_m[:, None] * U + offs_u[None, :], z.to(z_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & u_ok)
+    if SPLIT:
+        part = (pid_s * tl.num_programs(2) + tl.program_id(2)).to(tl.int64) * BLOCK_M
+        tl.store(part_ptr + (part + local_m[:, None]) * BLOCK_U + offs_u[None, :], acc)
+        tl.store(ml_ptr + (part + local_m) * 2, m_i)
+        tl.store(ml_ptr + (part + local_m) * 2 + 1, l_i)
+    else:
+        z = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(z_ptr + qbase + local_m[:, None] * U + offs_u[None, :], z.to(z_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & u_ok)
 
 
 # ----------------------------------------------------------------------------
@@ -409,9 +426,25 @@ def tiles(head_dim: int, dtype: torch.dtype) -> Tiles:
     return _TILES_16BIT[block_u]
 
 
-def cached_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of the cached attention kernel."""
-    return _TILES_CACHED[_blocks(head_dim)[1]]
+def cached_tiles(head_dim: int, split: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the cached attention kernel; its split-K form
+    takes 8 warps from head dim 64 on (at 4 warps the fp32-cache u = 64 split kernel
+    spills, 255 registers; at 8 it holds 80 and 3 CTAs/SM)."""
+    block_m, block_n, warps = _TILES_CACHED[_blocks(head_dim)[1]]
+    return block_m, block_n, 8 if split and _blocks(head_dim)[1] >= 64 else warps
+
+
+def cached_splits(heads: int, queries: int, rows: int, head_dim: int) -> tuple[int, int]:
+    """``(splits, rows per split)`` of the cached attention over ``rows`` cache rows: a
+    chunk of one query tile (a decoding step) splits the rows over programs as
+    flash-decoding does (enough to give every SM work, whole key blocks each); a
+    longer chunk has a program per query tile already and does not split."""
+    from . import _flash
+
+    block_m, block_n, _ = cached_tiles(head_dim)
+    if queries > block_m or rows <= block_n:
+        return 1, max(rows, 1)
+    return _flash.decode_splits(heads, rows, block_n)
 
 
 # ----------------------------------------------------------------------------
@@ -494,13 +527,26 @@ _mosrah_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 @triton_op("laminae::mosrah_cached_attention", mutates_args=())
 def _mosrah_cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limit: torch.Tensor,
                              scale: float) -> torch.Tensor:
+    from . import _flash
+
     B, L, T, U = q.shape
-    block_m, block_n, warps = cached_tiles(U)
+    block_u = _blocks(U)[1]
     z = empty(q.shape, dtype=q.dtype, device=q.device)
-    wrap_triton(_mosrah_cached_kernel)[(triton.cdiv(T, block_m), B * L)](
-        q, keys, values, limit, z, L, T, U, keys.stride(0), keys.stride(1), scale * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_U=_blocks(U)[1], PRECISION=dot_precision(q.dtype),
-        num_warps=warps, num_stages=2)
+    splits, per = cached_splits(B * L, T, keys.shape[1], U)
+    block_m, block_n, warps = cached_tiles(U, splits > 1)
+    part = ml = None
+    if splits > 1:
+        part = empty((B * L * splits * block_m, block_u), dtype=torch.float32, device=q.device)
+        ml = empty((B * L * splits * block_m, 2), dtype=torch.float32, device=q.device)
+    wrap_triton(_mosrah_cached_kernel)[(triton.cdiv(T, block_m), B * L, splits)](
+        q, keys, values, limit, z, part, ml, L, T, U, keys.stride(0), keys.stride(1), scale * LOG2E, per,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_U=block_u, PRECISION=dot_precision(q.dtype),
+        SPLIT=splits > 1, num_warps=warps, num_stages=2)
+    if splits > 1:
+        # the flash decoding merge, each head (b, l) as one (b, h) of a single-head [B·L, T, 1, U]
+        wrap_triton(_flash._flash_decode_combine)[(B * L, T)](
+            part, ml, z, T, 1, U, splits, BLOCK_M=block_m, BLOCK_SPLIT=_flash.DECODE_MAX_SPLITS,
+            BLOCK_D=block_u, num_warps=_flash.decode_warps(block_u))
     return z
 
 
@@ -669,13 +715,15 @@ def static_cases() -> Iterator[StaticCase]:
             # a head dim that is not a multiple of 16 (u − 2) launches unspecialised, with its own tiles
             yield from _attention_cases(p, tiles(head_dim - 2, dtype), const, tags | {"head_dim": head_dim - 2},
                                         {}, ())
-            c_m, c_n, c_warps = cached_tiles(head_dim)
-            yield StaticCase("mosrah_cached", _mosrah_cached_kernel,
-                             dict(q_ptr="*fp32", k_ptr=p, v_ptr=p, limit_ptr="*i32", z_ptr="*fp32", L="i32",
-                                  T="i32", U="i32", stride_kb="i32", stride_kj="i32", qk_scale="fp32"),
-                             dict(BLOCK_M=c_m, BLOCK_N=c_n, BLOCK_U=block_u, PRECISION="ieee"),
-                             c_warps, 2, tags=tags | {"cache": dt},
-                             divisible=("q_ptr", "k_ptr", "v_ptr", "z_ptr", "U", "stride_kj"))
+            for split in (False, True):
+                c_m, c_n, c_warps = cached_tiles(head_dim, split)
+                yield StaticCase("mosrah_cached", _mosrah_cached_kernel,
+                                 dict(q_ptr="*fp32", k_ptr=p, v_ptr=p, limit_ptr="*i32", z_ptr="*fp32",
+                                      part_ptr="*fp32", ml_ptr="*fp32", L="i32", T="i32", U="i32", stride_kb="i32",
+                                      stride_kj="i32", qk_scale="fp32", SPLIT_N="i32"),
+                                 dict(BLOCK_M=c_m, BLOCK_N=c_n, BLOCK_U=block_u, PRECISION="ieee", SPLIT=split),
+                                 c_warps, 2, tags=tags | {"cache": dt},
+                                 divisible=("q_ptr", "k_ptr", "v_ptr", "z_ptr", "U", "stride_kj"))
     # the local sliding-window path of SHRAM: the shared flash core with a window
     from . import _flash
 

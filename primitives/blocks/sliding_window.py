@@ -133,11 +133,12 @@ class SlidingWindowCache(DecodingCache):
 
 
 def _ring(like: torch.Tensor, capacity: int) -> _Storage:
-    """Zeroed storage of ``capacity`` slots shaped as ``like`` ``[B, ·, H, u]`` (zeros: the
-    decoding kernel reads the slots after the frame under a mask, and 0·NaN is NaN)."""
+    """Storage of ``capacity`` slots shaped as ``like`` ``[B, ·, H, u]``, keys and values
+    uninitialised: every reader (the decoding kernel included) takes only the frame's
+    first ``end`` slots, each written before it is read."""
     B, tail = like.shape[0], like.shape[2:]
     rows = (B, capacity, *tail)
-    return _Storage({"key": like.new_zeros(rows), "value": like.new_zeros(rows),
+    return _Storage({"key": like.new_empty(rows), "value": like.new_empty(rows),
                      "keep": torch.zeros(B, capacity, dtype=torch.bool, device=like.device)})
 
 
@@ -253,14 +254,9 @@ class SlidingWindowAttention(nn.Module):
                         and resolve_backend(self.backend, x, self.q_proj.weight) == "triton":
                     from laminae.triton_ops import _flash
 
-                    # one step: a live query sees exactly the frame's last `window` live entries
-                    if grown is not None and key.shape[0] > 1:
-                        # the kernel reads contiguous [B, slots, H, u]: the whole ring, slots
-                        # after the frame masked off (zeros, never written)
-                        whole = cache._storage.tensors
-                        key, value = whole["key"].to(q.dtype), whole["value"].to(q.dtype)
-                        seen = F.pad(seen, (0, key.shape[1] - seen.shape[1]))
-                    y = _flash.flash_decode(q.contiguous(), key, value, _flash.mask_arg(seen))
+                    # one step: a live query sees exactly the frame's last `window` live entries;
+                    # the kernel reads the frame, a view of the ring, in place through its strides
+                    y = _flash.flash_decode(q, key, value, _flash.mask_arg(seen))
                     y = torch.where(live[:, :, None, None], y, torch.zeros_like(y))
                 else:
                     y = sliding_window_reference(q, key, value, frame_keep, window=self.window)

@@ -103,8 +103,9 @@ class ElasticAttention(nn.Module):
             from laminae.triton_ops import _flash
 
             if decoding and S <= _flash.DECODE_MAX_QUERIES and not (torch.is_grad_enabled() and q.requires_grad):
-                # a decoding step: keys split over programs (flash-decoding), partials merged
-                y = _flash.flash_decode(q.contiguous(), k.contiguous(), v.contiguous(), _flash.mask_arg(attention_mask))
+                # a decoding step: keys split over programs (flash-decoding), partials merged;
+                # the cache's live rows are read in place from its storage (no copy per step)
+                y = _flash.flash_decode(q, k, v, _flash.mask_arg(attention_mask))
             else:
                 y = _flash.flash_attention(q, k, v, attention_mask)
         else:

@@ -337,6 +337,26 @@ def test_prefill_then_decode_equals_forward(rope_mode, prefill, backend):
     assert torch.equal(cache.counts, routed) and cache.length == 12
 
 
+def test_steps_over_a_long_cache_run_the_split_k_cached_kernel(monkeypatch):
+    """Steps after a 36-token prefill (every token on both heads: 37 and 38 rows, more
+    than one 32-row key block) split the rows over programs and equal the forward."""
+    import importlib
+
+    kernels = importlib.import_module("laminae.triton_ops.mosrah")
+    plans = []
+    real = kernels.cached_splits
+    monkeypatch.setattr(kernels, "cached_splits", lambda *a: plans.append(real(*a)) or plans[-1])
+    m = _module(L=2, K=2, backend="triton")
+    ref = _module(L=2, K=2, backend="reference")
+    ref.load_state_dict(m.state_dict())
+    x = torch.randn(2, 38, 24)
+    with torch.no_grad():
+        full = ref(x).output                                # the forward, on the cheaper backend
+        dec, _ = _decode(m, x, 36)
+    assert [n for n, _ in plans] == [1, 2, 2]               # the prefill unsplit, each step in two
+    assert (dec - full).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_padded_prefill_decodes_like_the_forward_with_live_rank_horizon(backend):
     m = _module(L=4, K=2, backend=backend)

@@ -60,12 +60,12 @@ def test_cached_decoding_matches_the_full_forward_in_every_tier(fixture):
 def test_cached_steps_on_the_triton_backend_run_the_split_k_decoding_kernel(monkeypatch):
     """A left-padded prompt, then one-token steps on backend="triton" (each on
     ``flash_decode`` over the cache and its keep mask) equal the full forward, in
-    the smallest tier."""
+    the smallest tier; the kernel gets the cache's views of its storage, uncopied."""
     import laminae.triton_ops._flash as flash
 
     calls = []
     real = flash.flash_decode
-    monkeypatch.setattr(flash, "flash_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(flash, "flash_decode", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     model, inputs, _ = _built("elastic_fully", "triton")
     ids = inputs["input_ids"][:, :6]
     tier = model.config.tiers[0]
@@ -80,6 +80,7 @@ def test_cached_steps_on_the_triton_backend_run_the_split_k_decoding_kernel(monk
             steps.append(out.logits)
             cache = out.cache
     assert len(calls) == 4 * len(model.layers)          # the 3-token prompt and 3 steps, every layer
+    assert not all(k.is_contiguous() for k in calls)    # a cache shorter than its storage: a strided view
     torch.testing.assert_close(torch.cat(steps, 1)[keep], full[keep], atol=1e-5, rtol=0)
 
 

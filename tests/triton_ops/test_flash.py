@@ -280,6 +280,49 @@ def test_split_k_decoding_matches_float64(dtype, D, S, N, hh, masked):
         assert (out[1] == 0).all()
 
 
+def test_split_k_decoding_reads_cache_views_in_place_through_their_strides(monkeypatch):
+    """``flash_decode`` over k/v that are the first N rows and HKV heads of larger
+    NaN-filled storage (batch strides unlike N·HKV·D and unlike each other, a padded
+    row stride) equals the float64 truth, and the kernel receives the views' own
+    memory (no copy); a k whose head dim is strided is copied (and then v, whose row
+    stride no longer matches k's), still right."""
+    launched = []
+    real = _flash.wrap_triton
+
+    def recording(kernel):
+        def launch(grid):
+            def run(*args, **kwargs):
+                launched.append(args)
+                return real(kernel)[grid](*args, **kwargs)
+            return run
+        return type("Launch", (), {"__getitem__": lambda _, grid: launch(grid)})()
+
+    monkeypatch.setattr(_flash, "wrap_triton", recording)
+    gen = torch.Generator().manual_seed(7)
+    B, S, H, HKV, D, N = 3, 2, 4, 2, 32, 150
+    q = torch.randn(B, S, H, D, generator=gen).to(DEVICE, torch.bfloat16)
+    k_store = torch.full((B, N + 37, HKV + 1, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    v_store = torch.full((B, N + 5, HKV + 1, D), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    k, v = k_store[:, :N, :HKV], v_store[:, :N, :HKV]
+    k.copy_(torch.randn(B, N, HKV, D, generator=gen))
+    v.copy_(torch.randn(B, N, HKV, D, generator=gen))
+    assert len({k.stride(0), v.stride(0), N * HKV * D}) == 3 and k.stride(1) == v.stride(1) != HKV * D
+    mask = keep_mask(B, N, gen)
+    ref = flash_attention_reference(q.double(), k.double(), v.double(), mask)
+    assert _flash.decode_splits(B * H, N, _flash.decode_block_n(32, False))[0] > 1
+    # heads interleaved within a row (head dim strided), its row stride equal to v's: copied
+    k_cols = torch.full((B, N, D, HKV + 1), float("nan"), dtype=torch.bfloat16, device=DEVICE)[..., :HKV]
+    k_cols = k_cols.transpose(2, 3)
+    k_cols.copy_(k)
+    assert k_cols.stride(1) == v.stride(1) and k_cols.stride(3) != 1
+    for kk, in_place in ((k, True), (k_cols, False)):
+        launched.clear()
+        out = _flash.flash_decode(q, kk, v, _flash.mask_arg(mask))
+        err = torch.linalg.vector_norm(out.double() - ref) / torch.linalg.vector_norm(ref)
+        assert err <= 4e-3, err
+        assert (launched[0][1].data_ptr() == kk.data_ptr() and launched[0][2].data_ptr() == v.data_ptr()) == in_place
+
+
 def test_fp32_head_dims_past_the_spill_free_tiles_are_refused():
     """fp32 stops at head dim 128 (no spill-free fp32 dk/dv tile at 256); 16-bit goes to 256."""
     from laminae.primitives import ShapeError

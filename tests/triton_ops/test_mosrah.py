@@ -144,7 +144,8 @@ def test_cached_attention_every_configuration_matches_float64(cache_dtype, u):
     """The cached kernel at each ``cached_tiles`` configuration over a cache of each
     dtype: 35 queries (two 16-row tiles and a ragged one), up to 70 rows (two 32-row
     key tiles and a ragged one) read from views of a larger storage, per-query limits
-    including 0 (dead query) and the full length."""
+    including 0 (dead query) and the full length; then the first 3 queries, one tile,
+    split-K: three splits of 32 rows, the last ragged, merged by the combine kernel."""
     block_m, block_n, _ = mosrah_mod.cached_tiles(u)
     assert 35 > 2 * block_m and 70 > 2 * block_n
     gen = torch.Generator().manual_seed(u)
@@ -159,6 +160,11 @@ def test_cached_attention_every_configuration_matches_float64(cache_dtype, u):
     err = torch.linalg.vector_norm(z.double() - truth) / torch.linalg.vector_norm(truth)
     assert err <= FLOAT64_REL_RMSE[torch.float32], float(err)
     assert (z[0, 0, :4] == 0).all()
+    assert mosrah_mod.cached_splits(6, 35, 70, u)[0] == 1 and mosrah_mod.cached_splits(6, 3, 70, u) == (3, 32)
+    z = mosrah_cached_attention(q[:, :, :3], keys, values, limit[:, :, :3], 0.3)
+    err = torch.linalg.vector_norm(z.double() - truth[:, :, :3]) / torch.linalg.vector_norm(truth[:, :, :3])
+    assert err <= FLOAT64_REL_RMSE[torch.float32], float(err)
+    assert (z[0, 0] == 0).all()
 
 
 def test_varlen_layout_matches_the_stable_sort():

@@ -127,12 +127,13 @@ def test_local_path_on_the_flash_kernel_matches_the_reference(length, window, mo
 
 def test_one_token_steps_on_the_triton_backend_run_the_decoding_kernel(monkeypatch):
     """Cached one-token steps with holes, left padding and a dead step equal the
-    reference's full forward, through the split-K decoding kernel over the frame."""
+    reference's full forward, through the split-K decoding kernel over the frame: the
+    ring's first slots, read in place (not the whole ring)."""
     import laminae.triton_ops._flash as flash
 
-    calls = []
+    calls, widths = [], []
     real = flash.flash_decode
-    monkeypatch.setattr(flash, "flash_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(flash, "flash_decode", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     torch.manual_seed(1)
     ref = SlidingWindowAttention(16, 2, 8, window_size=3, backend="reference")
     tri = SlidingWindowAttention(16, 2, 8, window_size=3, backend="triton")
@@ -145,9 +146,14 @@ def test_one_token_steps_on_the_triton_backend_run_the_decoding_kernel(monkeypat
         want = ref(x, live).output
         cache, steps = tri.empty_cache(2), []
         for t in range(8):
+            held = cache.keys.shape[1]
             y, cache = tri(x[:, t:t + 1], live[:, t:t + 1], cache)
             steps.append(y)
-    assert len(calls) == 8
+            if held < 2 * 3:                               # written in place (else compacted: a fresh frame)
+                widths.append(held + 1)
+                assert calls[-1].data_ptr() == cache.keys.data_ptr() and calls[-1].shape == cache.keys.shape
+                assert calls[-1].stride() == cache.keys.stride()
+    assert len(calls) == 8 and len(widths) >= 6
     torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-6, rtol=0)
 
 
