@@ -202,7 +202,8 @@ def _launchable() -> dict[tuple, dict[str, list[tuple[int, int]]]]:
     for c in _flash.static_cases(out_dtypes=("fp32",), windows=(False, True)):
         if c.name in _KIND_OF:
             k = c.constexprs
-            key = (c.tags["dtype"], k["BLOCK_D"], k["EVEN_D"], k["HAS_MASK"], k["HAS_WINDOW"], bool(c.tags.get("div16")))
+            key = (c.tags["dtype"], k["BLOCK_D"], k["EVEN_D"], k["HAS_MASK"], k["HAS_WINDOW"],
+                   bool(c.tags.get("div16")))
             tiles = groups.setdefault(key, {kind: [] for kind in _KINDS})[_KIND_OF[c.name]]
             if (k["BLOCK_M"], k["BLOCK_N"]) not in tiles:
                 tiles.append((k["BLOCK_M"], k["BLOCK_N"]))
@@ -286,7 +287,8 @@ def test_every_launch_configuration_matches_float64_in_its_own_dtype(key):
                     o32, _ = _flash.flash_forward(q, k, v, mask, out_dtype=torch.float32, window=w)
                     failures.append(None if torch.equal(o32.to(dtype), o) else f"run {i}: fp32 store differs")
             grads = _flash.flash_backward(q, k, v, mask, do, lse, None, w, o=o)
-        failures += [_close_to_float64(f"run {i} d{n}", g, leaf.grad, dtype) for n, g, leaf in zip("qkv", grads, leaves)]
+        failures += [_close_to_float64(f"run {i} d{n}", g, leaf.grad, dtype)
+                     for n, g, leaf in zip("qkv", grads, leaves)]
     failures = [f for f in failures if f]
     assert not failures, failures
 
