@@ -192,11 +192,12 @@ _KIND_OF = {"flash_fwd": "fwd", "flash_bwd_dq": "dq", "flash_bwd_dkdv": "dkdv"}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _launchable() -> dict[tuple, dict[str, list[tuple[int, int]]]]:
+def _launchable() -> dict[tuple, dict[str, dict[tuple[int, int], tuple[int, int]]]]:
     """``(dtype, BLOCK_D, EVEN_D, HAS_MASK, HAS_WINDOW, div16)`` -> each kernel's distinct
-    ``(BLOCK_M, BLOCK_N)``: every forward/backward configuration the CUDA path can launch
-    for any caller (an fp32 forward output, a window), read from ``static_cases`` so
-    that a configuration added there is run here. Warps and stages are left out: the
+    ``(BLOCK_M, BLOCK_N)`` (with the warps and stages of its first static case): every
+    forward/backward configuration the CUDA path can launch for any caller (an fp32
+    forward output, a window), read from ``static_cases`` so that a configuration added
+    there is run here. Other warps and stages of the same tile are left out: the
     interpreter computes the same with any."""
     groups: dict = {}
     for c in _flash.static_cases(out_dtypes=("fp32",), windows=(False, True)):
@@ -204,18 +205,20 @@ def _launchable() -> dict[tuple, dict[str, list[tuple[int, int]]]]:
             k = c.constexprs
             key = (c.tags["dtype"], k["BLOCK_D"], k["EVEN_D"], k["HAS_MASK"], k["HAS_WINDOW"],
                    bool(c.tags.get("div16")))
-            tiles = groups.setdefault(key, {kind: [] for kind in _KINDS})[_KIND_OF[c.name]]
-            if (k["BLOCK_M"], k["BLOCK_N"]) not in tiles:
-                tiles.append((k["BLOCK_M"], k["BLOCK_N"]))
+            tiles = groups.setdefault(key, {kind: {} for kind in _KINDS})[_KIND_OF[c.name]]
+            tiles.setdefault((k["BLOCK_M"], k["BLOCK_N"]), (c.num_warps, c.num_stages))
     return groups
 
 
-def _runs(per_kind: dict[str, list[tuple[int, int]]]) -> list[FlashTiles]:
+def _runs(per_kind: dict[str, dict[tuple[int, int], tuple[int, int]]]) -> list[FlashTiles]:
     """The fewest tile sets that launch every kernel's tiles of one group: run i takes
     each kernel's i-th tile, so one run checks three kernels' tiles at once."""
-    return [FlashTiles(*per_kind["fwd"][i % len(per_kind["fwd"])], 4, *per_kind["dq"][i % len(per_kind["dq"])], 4,
-                       *per_kind["dkdv"][i % len(per_kind["dkdv"])], 4)
-            for i in range(max(len(v) for v in per_kind.values()))]
+    runs = []
+    for i in range(max(len(v) for v in per_kind.values())):
+        pick = {kind: list(v.items())[i % len(v)] for kind, v in per_kind.items()}
+        (f, (fw, fs)), (q, (qw, qs)), (d, (dw, ds)) = (pick[kind] for kind in _KINDS)
+        runs.append(FlashTiles(*f, fw, *q, qw, *d, dw, stages=fs, dq_stages=qs, dkdv_stages=ds))
+    return runs
 
 
 def _head_dim(bd: int, even: bool, div16: bool) -> int:
@@ -259,7 +262,7 @@ def test_every_launch_configuration_matches_float64_in_its_own_dtype(key):
     assert (_flash.block_d(D), _flash.even_d(D, dtype)) == (bd, even)
     pruned = _flash.candidates(bd, fp32, window, D % 16 == 0, masked)
     for kind in _KINDS:
-        assert set(per_kind[kind]) <= {t.of(kind)[:2] for t in pruned}, kind
+        assert {(*tile, *ws) for tile, ws in per_kind[kind].items()} <= {t.of(kind) for t in pruned}, kind
     big = max(max(t) for v in per_kind.values() for t in v)
     S, N = 2 * big + 5, 2 * big + 8
     gen = torch.Generator().manual_seed(list(_LAUNCHABLE).index(key))
@@ -279,7 +282,7 @@ def test_every_launch_configuration_matches_float64_in_its_own_dtype(key):
     for i, t in enumerate(_runs(per_kind)):
         with forced_tiles(t):
             if window:                                    # the launcher's window tiles leave them as named
-                assert all(_flash.window_tiles(t, bd, fp32).of(kind)[:2] == t.of(kind)[:2] for kind in _KINDS)
+                assert _flash.window_tiles(t, bd, fp32) == t
             if i < len(per_kind["fwd"]):
                 o, lse = _flash.flash_forward(q, k, v, mask, window=w)
                 failures.append(_close_to_float64(f"run {i} out", o, truth.detach(), dtype))
