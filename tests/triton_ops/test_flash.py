@@ -16,7 +16,9 @@ from laminae.primitives import ConfigError
 from laminae.triton_ops import _flash
 from laminae.triton_ops._flash import FlashTiles, flash_attention, flash_attention_reference
 
-from .._helpers import DEVICE, assert_matches_float64, assert_parity, keep_mask, scales, seeds
+from laminae.triton_ops.testing import FLOAT64_ABS_RMS
+
+from .._helpers import DEVICE, FLOAT64_REL_RMSE, assert_parity, keep_mask, scales, seeds
 
 # Unequal tile sides both ways, so the diagonal blocks of the forward/dq loops and of
 # the dk/dv loop are cut by the causal bound in the middle of a tile.
@@ -181,71 +183,119 @@ def test_16bit_tiles_fill_warpgroups_and_every_candidate_is_a_static_case(bd, wi
 
 
 # ----------------------------------------------------------------------------
-# Every launchable 16-bit configuration, in its own dtype, against float64
+# Every launchable configuration, in its own dtype, against float64
 # ----------------------------------------------------------------------------
 
 
 _KINDS = ("fwd", "dq", "dkdv")
+_KIND_OF = {"flash_fwd": "fwd", "flash_bwd_dq": "dq", "flash_bwd_dkdv": "dkdv"}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _runs(options: tuple[FlashTiles, ...], seen: set) -> list[FlashTiles]:
-    """Few tile sets that launch, between them, every (kernel, BLOCK_M, BLOCK_N) of
-    ``options`` not in ``seen`` (warps and stages do not change what the interpreter
-    computes): run i takes each kernel's i-th distinct tile, so one run checks three
-    kernels' candidates at once."""
-    per_kind = {kind: list(dict.fromkeys(t.of(kind) for t in options)) for kind in _KINDS}
+def _launchable() -> dict[tuple, dict[str, dict[tuple[int, int], tuple[int, int]]]]:
+    """``(dtype, BLOCK_D, EVEN_D, HAS_MASK, HAS_WINDOW, div16)`` -> each kernel's distinct
+    ``(BLOCK_M, BLOCK_N)`` (with the warps and stages of its first static case): every
+    forward/backward configuration the CUDA path can launch for any caller (an fp32
+    forward output, a window), read from ``static_cases`` so that a configuration added
+    there is run here. Other warps and stages of the same tile are left out: the
+    interpreter computes the same with any."""
+    groups: dict = {}
+    for c in _flash.static_cases(out_dtypes=("fp32",), windows=(False, True)):
+        if c.name in _KIND_OF:
+            k = c.constexprs
+            key = (c.tags["dtype"], k["BLOCK_D"], k["EVEN_D"], k["HAS_MASK"], k["HAS_WINDOW"],
+                   bool(c.tags.get("div16")))
+            tiles = groups.setdefault(key, {kind: {} for kind in _KINDS})[_KIND_OF[c.name]]
+            tiles.setdefault((k["BLOCK_M"], k["BLOCK_N"]), (c.num_warps, c.num_stages))
+    return groups
+
+
+def _runs(per_kind: dict[str, dict[tuple[int, int], tuple[int, int]]]) -> list[FlashTiles]:
+    """The fewest tile sets that launch every kernel's tiles of one group: run i takes
+    each kernel's i-th tile, so one run checks three kernels' tiles at once."""
     runs = []
     for i in range(max(len(v) for v in per_kind.values())):
-        pick = {kind: v[i % len(v)] for kind, v in per_kind.items()}
-        if {(kind, *pick[kind][:2]) for kind in _KINDS} <= seen:
-            continue
-        seen |= {(kind, *pick[kind][:2]) for kind in _KINDS}
-        f, q, d = pick["fwd"], pick["dq"], pick["dkdv"]
-        runs.append(FlashTiles(f[0], f[1], f[2], q[0], q[1], q[2], d[0], d[1], d[2], stages=f[3], dq_stages=q[3],
-                               dkdv_stages=d[3]))
+        pick = {kind: list(v.items())[i % len(v)] for kind, v in per_kind.items()}
+        (f, (fw, fs)), (q, (qw, qs)), (d, (dw, ds)) = (pick[kind] for kind in _KINDS)
+        runs.append(FlashTiles(*f, fw, *q, qw, *d, dw, stages=fs, dq_stages=qs, dkdv_stages=ds))
     return runs
 
 
-def _autotuned() -> list[tuple[int, bool, bool, FlashTiles]]:
-    """(head dim tile, window, keep mask, tiles) covering every candidate the CUDA
-    autotuner's pruner can keep at head dims 64 and 128: masked causal launches,
-    then unmasked windowed ones for what only those add (the unmasked 128×128
-    forward, the window's dk/dv tiles)."""
-    out = []
-    for bd in (64, 128):
-        seen: set = set()
-        for window, masked in ((False, True), (True, False)):
-            out += [(bd, window, masked, t) for t in _runs(_flash.candidates(bd, False, window, masked=masked), seen)]
-    return out
+def _head_dim(bd: int, even: bool, div16: bool) -> int:
+    """A head dim that launches with this tile and these flags: the tile itself
+    (``EVEN_D``), a multiple of 16 below it (the vector-load tiles), else one that is
+    no multiple of 16 (a per-element head-dim mask)."""
+    return bd if even else bd - 16 if div16 else bd - 8
 
 
-_AUTOTUNED = _autotuned()
+_LAUNCHABLE = _launchable()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("run", range(len(_AUTOTUNED)),
-                         ids=[f"d{bd}-{'win-nomask' if w else 'causal-mask'}-{i}"
-                              for i, (bd, w, _, _) in enumerate(_AUTOTUNED)])
-def test_every_autotune_candidate_matches_float64_in_its_own_dtype(run, dtype):
-    """Each tile set the CUDA autotuner may pick at head dims 64 and 128 (through
-    ``candidates``, the list its pruner keeps) runs in bf16 and in fp16 against the
-    float64 truth: queries and keys span two of the largest tiles plus a ragged
-    one, with a cached prefix of 3 keys, GQA 2:1, left padding and holes in the
-    keep mask (or a window wider than a tile). The head dim fills the tile
-    (``EVEN_D``) in one dtype and is 16 short of it in the other, alternating by run."""
-    bd, window, masked, t = _AUTOTUNED[run]
-    big = max(t.fwd_m, t.dq_m, t.dkdv_m, t.fwd_n, t.dq_n, t.dkdv_n)
+def _label(key) -> str:
+    dt, bd, even, masked, window, div16 = key
+    return (f"{dt}-d{_head_dim(bd, even, div16)}of{bd}-{'mask' if masked else 'nomask'}"
+            f"-{'window' if window else 'causal'}")
+
+
+def _close_to_float64(name: str, got: torch.Tensor, truth: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """``assert_matches_float64``'s bound: relative RMSE per dtype, with its absolute floor."""
+    err = float(torch.linalg.vector_norm(got.double() - truth))
+    ref = float(torch.linalg.vector_norm(truth))
+    bound = FLOAT64_REL_RMSE[dtype] * ref + FLOAT64_ABS_RMS * max(1, truth.numel()) ** 0.5
+    return None if err <= bound else f"{name}: relative RMSE {err / max(ref, 1e-30):.3e} > {FLOAT64_REL_RMSE[dtype]}"
+
+
+@pytest.mark.parametrize("key", list(_LAUNCHABLE), ids=[_label(k) for k in _LAUNCHABLE])
+def test_every_launch_configuration_matches_float64_in_its_own_dtype(key):
+    """Each (dtype, head-dim tile, EVEN_D, keep mask, window) configuration the CUDA
+    path can launch runs every tile its autotuner may pick (through ``candidates``,
+    the list its pruner keeps) against the float64 truth, in its own dtype: queries
+    and keys span two of the run's largest tiles plus a ragged one, with a cached
+    prefix of 3 keys, GQA 2:1, left padding and holes in the keep mask, a window
+    wider than a tile. The head dim is chosen so that the launcher's own
+    ``block_d``/``even_d`` pick the group's flags. Where a caller stores the forward
+    in fp32 (affine-scaled attention), the smallest tiles also run that store."""
+    dt, bd, even, masked, window, div16 = key
+    dtype, fp32 = _DTYPES[dt], dt == "fp32"
+    per_kind = _LAUNCHABLE[key]
+    D = _head_dim(bd, even, div16)
+    assert (_flash.block_d(D), _flash.even_d(D, dtype)) == (bd, even)
+    pruned = _flash.candidates(bd, fp32, window, D % 16 == 0, masked)
+    for kind in _KINDS:
+        assert {(*tile, *ws) for tile, ws in per_kind[kind].items()} <= {t.of(kind) for t in pruned}, kind
+    big = max(max(t) for v in per_kind.values() for t in v)
     S, N = 2 * big + 5, 2 * big + 8
-    D = bd if (dtype == torch.bfloat16) == (run % 2 == 0) else bd - 16
-    gen = torch.Generator().manual_seed(run)
-    mask = keep_mask(1, N, gen)
-    mask[0, :4] = False
-    inputs = {"q": torch.randn(1, S, 2, D, generator=gen).to(DEVICE, dtype),
-              "k": torch.randn(1, N, 1, D, generator=gen).to(DEVICE, dtype),
-              "v": torch.randn(1, N, 1, D, generator=gen).to(DEVICE, dtype),
-              "attention_mask": mask.to(DEVICE) if masked else None, "window": big + 21 if window else None}
-    with forced_tiles(t):
-        assert_matches_float64(flash_attention, flash_attention_reference, inputs, ["q", "k", "v"])
+    gen = torch.Generator().manual_seed(list(_LAUNCHABLE).index(key))
+    q = torch.randn(1, S, 2, D, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(1, N, 1, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    do = torch.randn(1, S, 2, D, generator=gen).to(DEVICE, dtype)
+    keep = None
+    if masked:
+        keep = keep_mask(1, N, gen)
+        keep[0, :4] = False
+    w = big + 21 if window else 0
+    leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    truth = flash_attention_reference(*leaves, keep, w or None)
+    truth.backward(do.double())
+    mask = _flash.mask_arg(keep)
+    failures = []
+    for i, t in enumerate(_runs(per_kind)):
+        with forced_tiles(t):
+            if window:                                    # the launcher's window tiles leave them as named
+                assert _flash.window_tiles(t, bd, fp32) == t
+            if i < len(per_kind["fwd"]):
+                o, lse = _flash.flash_forward(q, k, v, mask, window=w)
+                failures.append(_close_to_float64(f"run {i} out", o, truth.detach(), dtype))
+                if not fp32 and not window and bd == max(_flash._TILES_16BIT):
+                    o32, _ = _flash.flash_forward(q, k, v, mask, out_dtype=torch.float32, window=w)
+                    # the same accumulator, stored with the bits a 16-bit output rounds away
+                    exact = torch.equal(o32.to(dtype), o) and not torch.equal(o32.to(dtype).float(), o32)
+                    failures.append(None if exact else f"run {i}: the fp32 store is not the unrounded output")
+            grads = _flash.flash_backward(q, k, v, mask, do, lse, None, w, o=o)
+        failures += [_close_to_float64(f"run {i} d{n}", g, leaf.grad, dtype)
+                     for n, g, leaf in zip("qkv", grads, leaves)]
+    failures = [f for f in failures if f]
+    assert not failures, failures
 
 
 # ----------------------------------------------------------------------------
@@ -253,25 +303,32 @@ def test_every_autotune_candidate_matches_float64_in_its_own_dtype(run, dtype):
 # ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype,D,S,N,hh,masked", [
-    (torch.bfloat16, 64, 1, 301, (4, 2), True),       # 5 splits of one 64-key block, the last ragged
-    (torch.float16, 48, 3, 200, (2, 1), True),        # masked head dim, three new queries
-    (torch.float32, 24, 1, 150, (2, 2), False),       # fp32: 64-key blocks at BLOCK_D 32
-], ids=["bf16-d64", "fp16-d48", "fp32-d24"])
-def test_split_k_decoding_matches_float64(dtype, D, S, N, hh, masked):
-    """``flash_decode`` (keys split over programs, partials merged by a second
-    kernel) equals the float64 truth for the newest S queries over a cache, with
-    GQA, padding and holes in the keep mask and a row whose keys are all masked."""
-    gen = torch.Generator().manual_seed(N)
-    H, HKV = hh
-    B = 2
-    q = torch.randn(B, S, H, D, generator=gen).to(DEVICE, dtype)
-    k, v = (torch.randn(B, N, HKV, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+_DECODES = [(c.tags["dtype"], c.constexprs["BLOCK_D"], c.constexprs["EVEN_D"], c.constexprs["HAS_MASK"],
+             c.constexprs["BLOCK_N"]) for c in _flash.static_cases() if c.name == "flash_decode"]
+
+
+@pytest.mark.parametrize("case", _DECODES, ids=[f"{dt}-d{_head_dim(bd, e, False)}of{bd}-{'mask' if m else 'nomask'}"
+                                                for dt, bd, e, m, _ in _DECODES])
+def test_split_k_decoding_matches_float64(case):
+    """``flash_decode`` (keys split over programs, partials merged by a second kernel)
+    at every configuration it launches with (read from ``static_cases``) equals the
+    float64 truth for the newest 1 or 3 queries over a cache: three splits, the last
+    ragged, GQA 2:1, padding and holes in the keep mask and a batch row whose keys are
+    all masked (output 0)."""
+    dt, bd, even, masked, block_n = case
+    dtype, fp32 = _DTYPES[dt], dt == "fp32"
+    D = _head_dim(bd, even, False)
+    assert (_flash.block_d(D), _flash.even_d(D, dtype)) == (bd, even)
+    assert _flash.decode_block_n(bd, fp32) == block_n
+    B, S, N = 2, 1 + 2 * (_DECODES.index(case) % 2), 2 * block_n + 5
+    gen = torch.Generator().manual_seed(_DECODES.index(case))
+    q = torch.randn(B, S, 2, D, generator=gen).to(DEVICE, dtype)
+    k, v = (torch.randn(B, N, 1, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
     mask = keep_mask(B, N, gen) if masked else None
     if masked:
         mask[1] = False                                   # batch row 1 sees nothing: output 0
-    splits, per = _flash.decode_splits(B * H, N, _flash.decode_block_n(_flash.block_d(D), dtype == torch.float32))
-    assert splits > 1 and (splits - 1) * per < N <= splits * per
+    splits, per = _flash.decode_splits(B * 2, N, block_n)
+    assert splits == 3 and (splits - 1) * per < N < splits * per
     out = _flash.flash_decode(q, k, v, _flash.mask_arg(mask))
     ref = flash_attention_reference(q.double(), k.double(), v.double(), mask)
     err = torch.linalg.vector_norm(out.double() - ref) / torch.linalg.vector_norm(ref)
