@@ -907,8 +907,10 @@ def static_cases() -> Iterator[StaticCase]:
     compiles 16-byte aligned (``divisible``), as Triton's launcher specialises it: the
     inputs pass through a contiguous fp32 copy (logits and push are column slices of
     one projection, so always copied), gradients arrive contiguous, outputs and the
-    scan's work buffers are fresh allocations. Of the integers only the scan's chunk
-    (SCAN_CHUNK, 64 at every launch) is declared; the others vary within a tile."""
+    scan's work buffers are fresh allocations. Of the integers the scan's chunk
+    (SCAN_CHUNK, 64 at every launch) and ``released`` are declared: it is 0 at the
+    default soft read, and Triton's launcher makes the 1 of a released read a constant
+    (a binary of its own). The others vary within a tile."""
     f = "*fp32"
     for bs, bd in _block_pairs():
         step = dict(BLOCK_R=_step_rows(bs, bd), BLOCK_S=bs, BLOCK_D=bd)
@@ -918,9 +920,9 @@ def static_cases() -> Iterator[StaticCase]:
         bwd = dict(z_ptr=f, p_ptr=f, st_ptr=f, m_ptr=f, g_ptr=f, keep_ptr=f, dr_ptr=f, dn_ptr=f, dnm_ptr=f, de_ptr=f,
                    dz_ptr=f, dp_ptr=f, dst_ptr=f, dm_ptr=f, dg_ptr=f)
         yield StaticCase("stack_step_fwd", _stack_step_fwd_kernel, dict(fwd, **ints), step, STEP_WARPS,
-                         divisible=tuple(fwd))
+                         divisible=(*fwd, "released"))
         yield StaticCase("stack_step_bwd", _stack_step_bwd_kernel, dict(bwd, **ints), step, STEP_BWD_WARPS,
-                         divisible=tuple(bwd))
+                         divisible=(*bwd, "released"))
     sizes = dict(T="i32", H="i32", S="i32", D="i32", W="i32", chunk="i32", n_chunks="i32")
     inputs = dict(z_ptr=f, p_ptr=f, g_ptr=f, keep_ptr=f)
     kernels = [
@@ -942,7 +944,7 @@ def static_cases() -> Iterator[StaticCase]:
         warps = _scan_warps(bs, bw)
         for name, kernel, signature in kernels:
             aligned = tuple(k for k, v in signature.items() if v.startswith("*"))
-            aligned += ("chunk",) if "chunk" in signature else ()
+            aligned += tuple(k for k in ("chunk", "released") if k in signature)
             yield StaticCase(name, kernel, signature, dict(BLOCK_S=bs, BLOCK_W=bw), warps, divisible=aligned)
 
 
