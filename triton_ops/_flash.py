@@ -929,11 +929,16 @@ def static_cases(out_dtypes: tuple[str, ...] | None = None,
         precision = dot_precision(torch.float32 if fp32 else torch.bfloat16)
         bwd_sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", do_ptr=p, lse_ptr="*fp32", delta_ptr="*fp32")
         bwd_scalars = scalars | dict(sm_scale="fp32") | tail
+        # What Triton's launcher specialises as 16-divisible at every launch: each pointer
+        # (q, k, v and dO pass through _aligned, the int8 key mask is built per call by
+        # mask_arg, O, lse, delta and the gradients are fresh), S_BUCKET (a power of two
+        # >= 64) and WINDOW (0 without a window); D too where it fills the tile (`even`).
         kernels = {
-            "fwd": ("flash_fwd", _flash_fwd_kernel, ("q_ptr", "k_ptr", "v_ptr", "o_ptr", "D")),
-            "dq": ("flash_bwd_dq", _flash_bwd_dq_kernel, ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr", "D")),
+            "fwd": ("flash_fwd", _flash_fwd_kernel, ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "o_ptr", "lse_ptr")),
+            "dq": ("flash_bwd_dq", _flash_bwd_dq_kernel,
+                   ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dq_ptr")),
             "dkdv": ("flash_bwd_dkdv", _flash_bwd_dkdv_kernel,
-                     ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr", "D")),
+                     ("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "do_ptr", "lse_ptr", "delta_ptr", "dk_ptr", "dv_ptr")),
         }
         for bd in (_TILES_FP32 if fp32 else _TILES_16BIT):
             vector = not fp32 and bd in _TILES_16BIT_ODD
@@ -948,7 +953,8 @@ def static_cases(out_dtypes: tuple[str, ...] | None = None,
                 base = dict(HAS_MASK=has_mask, HAS_WINDOW=has_window, BLOCK_D=bd, EVEN_D=ev_d, PRECISION=precision)
                 options = candidates(bd, fp32, has_window, even, has_mask)
                 for kind, (name, kernel, divisible) in kernels.items():
-                    extra = dict(divisible=divisible, expect="HGMMA") if even else {}
+                    ints = ("S_BUCKET",) + (() if has_window else ("WINDOW",)) + (("D",) if even else ())
+                    extra = dict(divisible=divisible + ints) | (dict(expect="HGMMA") if even else {})
                     for m, n, warps, stages in dict.fromkeys(t.of(kind) for t in options):
                         for o_dt in dict.fromkeys((dt, *(out_dtypes or ()))) if kind == "fwd" else (dt,):
                             signature = (dict(q_ptr=p, k_ptr=p, v_ptr=p, mask_ptr="*i8", o_ptr=f"*{o_dt}",
@@ -974,4 +980,5 @@ def static_cases(out_dtypes: tuple[str, ...] | None = None,
                                  decode_warps(bd), tags={"dtype": dt})
             yield StaticCase("flash_delta", _flash_delta_kernel,
                              dict(o_ptr=p, do_ptr=p, delta_ptr="*fp32", R="i32", S="i32", H="i32", D="i32"),
-                             dict(BLOCK_R=max(1, DELTA_TILE // bd), BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt})
+                             dict(BLOCK_R=max(1, DELTA_TILE // bd), BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt},
+                             divisible=("o_ptr", "do_ptr", "delta_ptr"))

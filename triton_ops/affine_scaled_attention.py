@@ -414,19 +414,30 @@ def affine_scaled_attention(
 
 def static_cases() -> Iterator[StaticCase]:
     """The row and scan kernels at each padded head dim and dtype, plus every flash
-    configuration (with the fp32 O_flash the epilogue reads)."""
+    configuration (with the fp32 O_flash the epilogue reads).
+
+    Every pointer is declared 16-byte aligned (``divisible``), as Triton's launcher
+    specialises it: q/k/v, alpha and the upstream gradient arrive contiguous (a copy
+    where the caller's tensor was not), the key mask is built per call, the rest are
+    fresh allocations. A contiguous caller tensor at an odd offset launches a second,
+    unaligned binary: rare, and not the one the table describes. The head dim and
+    strides are not declared: a case serves every head dim its BLOCK_D pads."""
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
-        for bd in (16, 32, 64, 128, 256):
+        # fp32 stops where the flash core does (FP32_MAX_HEAD_DIM): no launch reaches fp32 at 256
+        for bd in (16, 32, 64, 128, 256) if dt != "fp32" else (16, 32, 64, 128):
             const = dict(BLOCK_R=ROW_BLOCK, BLOCK_D=bd)
             yield StaticCase("affine_combine", _affine_combine_kernel,
                              dict(of_ptr="*fp32", vbar_ptr="*fp32", alpha_ptr="*fp32", ama_ptr="*fp32", out_ptr=p,
-                                  R="i32", H="i32", HKV="i32", D="i32"), const, ROW_WARPS, tags={"dtype": dt})
+                                  R="i32", H="i32", HKV="i32", D="i32"), const, ROW_WARPS, tags={"dtype": dt},
+                             divisible=("of_ptr", "vbar_ptr", "alpha_ptr", "ama_ptr", "out_ptr"))
             yield StaticCase("affine_bwd_rows", _affine_bwd_rows_kernel,
                              dict(g_ptr=p, of_ptr="*fp32", vbar_ptr="*fp32", alpha_ptr="*fp32", ama_ptr="*fp32",
                                   gs_ptr=p, delta_ptr="*fp32", dalpha_ptr="*fp32", gvbar_ptr="*fp32",
                                   R="i32", S="i32", H="i32", HKV="i32", D="i32"),
-                             const, ROW_WARPS, tags={"dtype": dt})
+                             const, ROW_WARPS, tags={"dtype": dt},
+                             divisible=("g_ptr", "of_ptr", "vbar_ptr", "alpha_ptr", "ama_ptr", "gs_ptr", "delta_ptr",
+                                        "dalpha_ptr", "gvbar_ptr"))
         for bd in sorted({_scan_block_d(d) for d in (16, 32, 64, 128, 256)}):
             for has_mask in (False, True):
                 const = dict(HAS_MASK=has_mask, BLOCK_T=VBAR_CHUNK, BLOCK_D=bd)
@@ -434,19 +445,23 @@ def static_cases() -> Iterator[StaticCase]:
                 ints = dict(HKV="i32", D="i32", NC="i32", stride_vb="i32", stride_vn="i32", stride_vh="i32",
                             stride_mb="i32")
                 yield StaticCase("vbar_chunk_sums", _vbar_chunk_sums_kernel, dict(scan, N="i32", **ints), const,
-                                 SCAN_WARPS, tags={"dtype": dt})
+                                 SCAN_WARPS, tags={"dtype": dt}, divisible=tuple(scan))
                 yield StaticCase("vbar_expand", _vbar_expand_kernel,
                                  dict(scan, vbar_ptr="*fp32", count_ptr="*fp32", S="i32", N="i32", **ints),
-                                 dict(const, BLOCK_C=SCAN_PREFIX_CHUNKS), SCAN_WARPS, tags={"dtype": dt})
+                                 dict(const, BLOCK_C=SCAN_PREFIX_CHUNKS), SCAN_WARPS, tags={"dtype": dt},
+                                 divisible=(*scan, "vbar_ptr", "count_ptr"))
                 yield StaticCase("vbar_grad_expand", _vbar_grad_expand_kernel,
                                  dict(g_ptr=p, alpha_ptr="*fp32", ama_ptr="*fp32", count_ptr="*fp32",
                                       wsum_ptr="*fp32", mask_ptr="*i8", dv_ptr=p, S="i32", N="i32", H="i32",
                                       HKV="i32", D="i32", QC="i32", stride_mb="i32"),
-                                 dict(const, BLOCK_C=SCAN_PREFIX_CHUNKS), SCAN_WARPS, tags={"dtype": dt})
+                                 dict(const, BLOCK_C=SCAN_PREFIX_CHUNKS), SCAN_WARPS, tags={"dtype": dt},
+                                 divisible=("g_ptr", "alpha_ptr", "ama_ptr", "count_ptr", "wsum_ptr", "mask_ptr",
+                                            "dv_ptr"))
             yield StaticCase("vbar_grad_chunk_sums", _vbar_grad_chunk_sums_kernel,
                              dict(g_ptr=p, alpha_ptr="*fp32", ama_ptr="*fp32", count_ptr="*fp32", wsum_ptr="*fp32",
                                   S="i32", H="i32", HKV="i32", D="i32", QC="i32"),
-                             dict(BLOCK_T=VBAR_CHUNK, BLOCK_D=bd), SCAN_WARPS, tags={"dtype": dt})
+                             dict(BLOCK_T=VBAR_CHUNK, BLOCK_D=bd), SCAN_WARPS, tags={"dtype": dt},
+                             divisible=("g_ptr", "alpha_ptr", "ama_ptr", "count_ptr", "wsum_ptr"))
     yield from _flash.static_cases(out_dtypes=("fp32",))
 
 

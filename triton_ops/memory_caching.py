@@ -96,6 +96,20 @@ MEM_CONFIGS = {
 }
 # arguments a "16bit" launch has as multiples of 16 (static_cases passes them to the compile)
 _DIVISIBLE = ("q_ptr", "k_ptr", "v_ptr", "mem_ptr", "y_ptr", "g_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dmem_ptr", "D")
+# fp32 side tensors every launch of any kind passes 16-byte aligned: the keep mask and
+# gates arrive contiguous, the rest are fresh allocations
+_SCRATCH = ("keep_ptr", "gam_ptr", "z_ptr", "den_ptr", "dden_ptr", "dgam_ptr", "dz_ptr")
+
+
+def _aligned(kind: str, signature: dict) -> tuple[str, ...]:
+    """What Triton's launcher specialises as 16-divisible at a launch of ``kind``:
+    "16bit" everything in ``_DIVISIBLE``; "fp32" every pointer (contiguous inputs and
+    fresh outputs; the head dim varies within a BLOCK_D); "16bit-unaligned" the side
+    tensors only, since its inputs may be the unaligned views that chose it."""
+    pointers = tuple(k for k, v in signature.items() if v.startswith("*"))
+    if kind == "fp32":
+        return pointers
+    return tuple(a for a in signature if a in _SCRATCH or (kind == "16bit" and a in _DIVISIBLE))
 
 
 # ----------------------------------------------------------------------------
@@ -683,16 +697,13 @@ def static_cases() -> Iterator[StaticCase]:
                           expect="HGMMA" if wide and block_d >= 64 else "")
 
             def case(name, kernel, signature, constexprs):
-                divisible = tuple(a for a in _DIVISIBLE if a in signature) if wide else ()
-                return StaticCase(name, kernel, signature, constexprs, divisible=divisible, **launch)
+                return StaticCase(name, kernel, signature, constexprs, divisible=_aligned(kind, signature), **launch)
 
             block_t, mem_warps = MEM_CONFIGS[kind][block_d]
-            yield StaticCase("mc_mem", _mc_mem_kernel,
-                             {"k_ptr": pt, "v_ptr": pt, "keep_ptr": "*fp32", "mem_ptr": pt, "z_ptr": "*fp32", **scal},
+            mem = {"k_ptr": pt, "v_ptr": pt, "keep_ptr": "*fp32", "mem_ptr": pt, "z_ptr": "*fp32", **scal}
+            yield StaticCase("mc_mem", _mc_mem_kernel, mem,
                              dict(BLOCK_T=block_t, BLOCK_D=block_d, PRECISION=precision), num_warps=mem_warps,
-                             num_stages=2, tags=launch["tags"], expect=launch["expect"],
-                             divisible=tuple(a for a in _DIVISIBLE if a in ("k_ptr", "v_ptr", "mem_ptr", "D")) if wide
-                             else ())
+                             num_stages=2, tags=launch["tags"], expect=launch["expect"], divisible=_aligned(kind, mem))
             yield case("mc_fwd", _mc_fwd_kernel,
                        {**ins, "mem_ptr": pt, "z_ptr": "*fp32", "y_ptr": pt, "den_ptr": "*fp32", **scal, "eps": "fp32"},
                        const)

@@ -663,30 +663,34 @@ def _attention_cases(p: str, t: Tiles, const: dict, tags: dict, hgmma: dict,
     """The forward, dq and dk/dv kernels at tiles ``t``; ``even``: the integer
     arguments compiled as multiples of 16 (the packed rows' width U)."""
     layout = dict(cu_ptr="*i32", tok_ptr="*i32")
-    packed = ("q_ptr", "k_ptr", "v_ptr") + even
+    # besides the packed rows: the copy layout (cu, token, live) and the fp32 row
+    # statistics (lse, delta), fresh allocations at every launch
+    packed = ("q_ptr", "k_ptr", "v_ptr", "cu_ptr", "live_ptr", "lse_ptr") + even
     yield StaticCase("mosrah_fwd", _mosrah_fwd_kernel,
                      dict(q_ptr=p, k_ptr=p, v_ptr=p) | layout | dict(live_ptr="*i8", z_ptr=p,
                      lse_ptr="*fp32", L="i32", U="i32", qk_scale="fp32"),
                      const | dict(BLOCK_M=t.fwd_m, BLOCK_N=t.fwd_n), t.warps, t.stages, tags=tags,
-                     divisible=packed + ("z_ptr",), **hgmma)
+                     divisible=packed + ("tok_ptr", "z_ptr"), **hgmma)
     bwd = dict(q_ptr=p, k_ptr=p, v_ptr=p, cu_ptr="*i32")
     grads = dict(dz_ptr=p, lse_ptr="*fp32", delta_ptr="*fp32")
     yield StaticCase("mosrah_bwd_dq", _mosrah_bwd_dq_kernel,
                      bwd | dict(live_ptr="*i8") | grads | dict(dq_ptr="*fp32", L="i32", U="i32",
                      qk_scale="fp32", sm_scale="fp32"),
                      const | dict(BLOCK_M=t.dq_m, BLOCK_N=t.dq_n), t.warps, t.stages, tags=tags,
-                     divisible=packed + ("dz_ptr", "dq_ptr"), **hgmma)
+                     divisible=packed + ("dz_ptr", "delta_ptr", "dq_ptr"), **hgmma)
     yield StaticCase("mosrah_bwd_dkdv", _mosrah_bwd_dkdv_kernel,
                      bwd | dict(tok_ptr="*i32", live_ptr="*i8") | grads | dict(dk_ptr="*fp32", dv_ptr=p,
                      L="i32", U="i32", qk_scale="fp32", sm_scale="fp32"),
                      const | dict(BLOCK_M=t.dkdv_m, BLOCK_N=t.dkdv_n), t.warps, t.stages, tags=tags,
-                     divisible=packed + ("dz_ptr", "dk_ptr", "dv_ptr"), **hgmma)
+                     divisible=packed + ("tok_ptr", "dz_ptr", "delta_ptr", "dk_ptr", "dv_ptr"), **hgmma)
 
 
 def static_cases() -> Iterator[StaticCase]:
     """Every kernel at every (dtype, head dim) tile configuration it launches with.
     Head dims that are multiples of 16 (16–128) compile as launched with 16-byte
-    aligned rows (``divisible``); 16-bit ones at 64 and 128 must build on wgmma."""
+    aligned rows (``divisible``); 16-bit ones at 64 and 128 must build on wgmma. Every
+    pointer is declared aligned: the projections are fresh matmul outputs, the copy
+    layout (cu_seqlens, token, position, live) and θ′ fresh int32/int8/fp32 tensors."""
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
         precision = dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16)
@@ -700,19 +704,22 @@ def static_cases() -> Iterator[StaticCase]:
                              dict(q_ptr=p, k_ptr=p, v_ptr=p) | layout | dict(pos_ptr="*i32", live_ptr="*i8",
                              freq_ptr="*fp32", qr_ptr=p, kr_ptr=p, vr_ptr=p, L="i32", HALF="i32", U="i32"),
                              rows, ROW_WARPS, tags=tags,
-                             divisible=("q_ptr", "k_ptr", "v_ptr", "qr_ptr", "kr_ptr", "vr_ptr", "U"))
+                             divisible=("q_ptr", "k_ptr", "v_ptr", "cu_ptr", "tok_ptr", "pos_ptr", "live_ptr",
+                                        "freq_ptr", "qr_ptr", "kr_ptr", "vr_ptr", "U"))
             yield StaticCase("mosrah_bwd_prep", _bwd_prep_kernel,
                              dict(dz_ptr=p, z_ptr=p) | layout | dict(dzr_ptr=p, delta_ptr="*fp32", L="i32", U="i32"),
                              dict(BLOCK_R=ROWS, BLOCK_U=block_u), ROW_WARPS, tags=tags,
-                             divisible=("dz_ptr", "z_ptr", "dzr_ptr", "U"))
+                             divisible=("dz_ptr", "z_ptr", "cu_ptr", "tok_ptr", "dzr_ptr", "delta_ptr", "U"))
             yield StaticCase("mosrah_unpack_grad", _unpack_grad_kernel,
                              dict(dqr_ptr="*fp32", dkr_ptr="*fp32") | layout | dict(pos_ptr="*i32", freq_ptr="*fp32",
                              dq_ptr=p, dk_ptr=p, L="i32", HALF="i32", U="i32"),
-                             rows, ROW_WARPS, tags=tags, divisible=("dqr_ptr", "dkr_ptr", "dq_ptr", "dk_ptr", "U"))
+                             rows, ROW_WARPS, tags=tags,
+                             divisible=("dqr_ptr", "dkr_ptr", "cu_ptr", "tok_ptr", "pos_ptr", "freq_ptr", "dq_ptr",
+                                        "dk_ptr", "U"))
             const = dict(BLOCK_U=block_u, PRECISION=precision)
             dtype = torch.float32 if dt == "fp32" else torch.bfloat16
             yield from _attention_cases(p, tiles(head_dim, dtype), const, tags, hgmma, ("U",))
-            # a head dim that is not a multiple of 16 (u − 2) launches unspecialised, with its own tiles
+            # a head dim that is not a multiple of 16 (u − 2) launches with U unspecialised, with its own tiles
             yield from _attention_cases(p, tiles(head_dim - 2, dtype), const, tags | {"head_dim": head_dim - 2},
                                         {}, ())
             for split in (False, True):
@@ -723,7 +730,8 @@ def static_cases() -> Iterator[StaticCase]:
                                       stride_kj="i32", qk_scale="fp32", SPLIT_N="i32"),
                                  dict(BLOCK_M=c_m, BLOCK_N=c_n, BLOCK_U=block_u, PRECISION="ieee", SPLIT=split),
                                  c_warps, 2, tags=tags | {"cache": dt},
-                                 divisible=("q_ptr", "k_ptr", "v_ptr", "z_ptr", "U", "stride_kj"))
+                                 divisible=("q_ptr", "k_ptr", "v_ptr", "limit_ptr", "z_ptr", "U", "stride_kj")
+                                 + (("part_ptr", "ml_ptr") if split else ()))
     # the local sliding-window path of SHRAM: the shared flash core with a window
     from . import _flash
 

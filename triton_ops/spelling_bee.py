@@ -348,6 +348,10 @@ def spelling_bee(
 
 
 def static_cases() -> Iterator[StaticCase]:
+    """Every pointer compiles 16-byte aligned (``divisible``), as Triton's launcher
+    specialises it: the ids, embeddings and byte tables arrive contiguous (converted
+    copies where they were not), the rotation and sort tables, the partials and the
+    output are fresh. HALF (d/2) is not declared: the configurations serve every d."""
     for dt in ("fp32", "bf16", "fp16"):
         p = f"*{dt}"
         for mode in (0, 1, 2):
@@ -356,7 +360,8 @@ def static_cases() -> Iterator[StaticCase]:
                                  dict(ids_ptr="*i64", etok_ptr=p, emb_ptr=p, bytes_ptr="*i16", len_ptr="*i16",
                                       cos_ptr="*fp32", sin_ptr="*fp32", out_ptr=p, N="i32", V="i32", HALF="i32"),
                                  dict(SLOTS=SLOTS, MODE=mode, BLOCK_T=FWD_BLOCK_T, BLOCK_J=block_j), FWD_WARPS,
-                                 tags={"dtype": dt}, divisible=("cos_ptr", "sin_ptr", "out_ptr"))
+                                 tags={"dtype": dt}, divisible=("ids_ptr", "etok_ptr", "emb_ptr", "bytes_ptr", "len_ptr",
+                                                                "cos_ptr", "sin_ptr", "out_ptr"))
             const, warps, stages = bwd_config(dt)
             # a gather and a segmented sum: no tl.dot, so no tensor-core instruction to expect
             yield StaticCase("bee_bwd", _bee_bwd_kernel,
@@ -364,7 +369,7 @@ def static_cases() -> Iterator[StaticCase]:
                                   weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", part_ptr="*fp32",
                                   HALF="i32", entries_per_slice="i32", parts="i32"),
                              dict(MODE=mode, **const), warps, stages, tags={"dtype": dt},
-                             divisible=("order_ptr", "keys_ptr", "bounds_ptr", "tail_ptr", "weight_ptr", "cos_ptr",
+                             divisible=("g_ptr", "order_ptr", "keys_ptr", "bounds_ptr", "tail_ptr", "weight_ptr", "cos_ptr",
                                         "sin_ptr", "part_ptr", "entries_per_slice"))
 
 

@@ -903,42 +903,48 @@ def _scan_block_pairs():
 
 def static_cases() -> Iterator[StaticCase]:
     """Every kernel at every tile configuration the launchers can pick, with their
-    num_warps. Inputs are always fp32 (the state's dtype by design); the scan's
-    work buffers are fresh allocations (16-byte aligned)."""
+    num_warps. Inputs are always fp32 (the state's dtype by design). Every pointer
+    compiles 16-byte aligned (``divisible``), as Triton's launcher specialises it: the
+    inputs pass through a contiguous fp32 copy (logits and push are column slices of
+    one projection, so always copied), gradients arrive contiguous, outputs and the
+    scan's work buffers are fresh allocations. Of the integers the scan's chunk
+    (SCAN_CHUNK, 64 at every launch) and ``released`` are declared: it is 0 at the
+    default soft read, and Triton's launcher makes the 1 of a released read a constant
+    (a binary of its own). The others vary within a tile."""
     f = "*fp32"
     for bs, bd in _block_pairs():
         step = dict(BLOCK_R=_step_rows(bs, bd), BLOCK_S=bs, BLOCK_D=bd)
         ints = dict(n_rows="i32", H="i32", S="i32", D="i32", released="i32")
-        yield StaticCase("stack_step_fwd", _stack_step_fwd_kernel,
-                         dict(z_ptr=f, p_ptr=f, st_ptr=f, m_ptr=f, g_ptr=f, keep_ptr=f, read_ptr=f, nst_ptr=f,
-                              nm_ptr=f, ent_ptr=f, **ints), step, STEP_WARPS)
-        yield StaticCase("stack_step_bwd", _stack_step_bwd_kernel,
-                         dict(z_ptr=f, p_ptr=f, st_ptr=f, m_ptr=f, g_ptr=f, keep_ptr=f, dr_ptr=f, dn_ptr=f,
-                              dnm_ptr=f, de_ptr=f, dz_ptr=f, dp_ptr=f, dst_ptr=f, dm_ptr=f, dg_ptr=f, **ints),
-                         step, STEP_BWD_WARPS)
+        fwd = dict(z_ptr=f, p_ptr=f, st_ptr=f, m_ptr=f, g_ptr=f, keep_ptr=f, read_ptr=f, nst_ptr=f, nm_ptr=f,
+                   ent_ptr=f)
+        bwd = dict(z_ptr=f, p_ptr=f, st_ptr=f, m_ptr=f, g_ptr=f, keep_ptr=f, dr_ptr=f, dn_ptr=f, dnm_ptr=f, de_ptr=f,
+                   dz_ptr=f, dp_ptr=f, dst_ptr=f, dm_ptr=f, dg_ptr=f)
+        yield StaticCase("stack_step_fwd", _stack_step_fwd_kernel, dict(fwd, **ints), step, STEP_WARPS,
+                         divisible=(*fwd, "released"))
+        yield StaticCase("stack_step_bwd", _stack_step_bwd_kernel, dict(bwd, **ints), step, STEP_BWD_WARPS,
+                         divisible=(*bwd, "released"))
     sizes = dict(T="i32", H="i32", S="i32", D="i32", W="i32", chunk="i32", n_chunks="i32")
     inputs = dict(z_ptr=f, p_ptr=f, g_ptr=f, keep_ptr=f)
     kernels = [
         ("stack_scan_summary", _scan_summary_kernel,
-         dict(z_ptr=f, p_ptr=f, keep_ptr=f, phi_ptr=f, y_ptr=f, **sizes), ("phi_ptr", "y_ptr")),
+         dict(z_ptr=f, p_ptr=f, keep_ptr=f, phi_ptr=f, y_ptr=f, **sizes)),
         ("stack_scan_carry", _scan_carry_kernel,
-         dict(phi_ptr=f, y_ptr=f, carry_ptr=f, S="i32", W="i32", n_chunks="i32"), ("phi_ptr", "y_ptr", "carry_ptr")),
+         dict(phi_ptr=f, y_ptr=f, carry_ptr=f, S="i32", W="i32", n_chunks="i32")),
         ("stack_scan_expand", _scan_expand_kernel,
-         dict(**inputs, carry_ptr=f, read_ptr=f, ent_ptr=f, **sizes, released="i32"),
-         ("carry_ptr", "read_ptr", "ent_ptr")),
+         dict(**inputs, carry_ptr=f, read_ptr=f, ent_ptr=f, **sizes, released="i32")),
         ("stack_scan_adjoint_summary", _scan_adjoint_summary_kernel,
-         dict(**inputs, dr_ptr=f, carry_ptr=f, hist_ptr=f, phi_ptr=f, nu_ptr=f, **sizes, released="i32"),
-         ("carry_ptr", "hist_ptr", "phi_ptr", "nu_ptr")),
+         dict(**inputs, dr_ptr=f, carry_ptr=f, hist_ptr=f, phi_ptr=f, nu_ptr=f, **sizes, released="i32")),
         ("stack_scan_adjoint_carry", _scan_adjoint_carry_kernel,
-         dict(phi_ptr=f, nu_ptr=f, lam_ptr=f, S="i32", W="i32", n_chunks="i32"), ("phi_ptr", "nu_ptr", "lam_ptr")),
+         dict(phi_ptr=f, nu_ptr=f, lam_ptr=f, S="i32", W="i32", n_chunks="i32")),
         ("stack_scan_backward", _scan_backward_kernel,
          dict(**inputs, dr_ptr=f, de_ptr=f, carry_ptr=f, hist_ptr=f, lam_ptr=f, dz_ptr=f, dp_ptr=f, dg_ptr=f,
-              dinit_ptr=f, **sizes, released="i32"),
-         ("carry_ptr", "hist_ptr", "lam_ptr", "dz_ptr", "dp_ptr", "dg_ptr", "dinit_ptr")),
+              dinit_ptr=f, **sizes, released="i32")),
     ]
     for bs, bw in _scan_block_pairs():
         warps = _scan_warps(bs, bw)
-        for name, kernel, signature, aligned in kernels:
+        for name, kernel, signature in kernels:
+            aligned = tuple(k for k, v in signature.items() if v.startswith("*"))
+            aligned += tuple(k for k in ("chunk", "released") if k in signature)
             yield StaticCase(name, kernel, signature, dict(BLOCK_S=bs, BLOCK_W=bw), warps, divisible=aligned)
 
 

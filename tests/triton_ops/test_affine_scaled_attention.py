@@ -17,7 +17,7 @@ from laminae.triton_ops.affine_scaled_attention import (
     tour_case,
 )
 
-from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
+from .._helpers import DEVICE, assert_matches_float64, assert_parity, keep_mask, scales, seeds
 
 affine = importlib.import_module("laminae.triton_ops.affine_scaled_attention")
 
@@ -328,3 +328,24 @@ def affine_alpha_mean(m, x):
     from laminae.primitives.affine_scaled_attention import affine_alpha
 
     return affine_alpha(x, m.alpha_proj.weight).mean(dim=(0, 1))
+
+
+def _row_kernel_runs() -> list[tuple[str, int]]:
+    """(dtype, padded head dim) of every configuration of the combine and row-gradient
+    kernels (``static_cases``): a case added there is run here."""
+    return sorted({(c.tags["dtype"], c.constexprs["BLOCK_D"]) for c in affine.static_cases()
+                   if c.name in ("affine_combine", "affine_bwd_rows")})
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize("dtype, bd", _row_kernel_runs(), ids=[f"{d}-d{b}" for d, b in _row_kernel_runs()])
+def test_row_kernels_every_head_dim_tile_against_float64(dtype, bd):
+    """The epilogue kernels (combine and the rows of the backward) at each padded head dim
+    and dtype they are built for, default tiles: 2 row tiles + a ragged one, the head dim
+    ragged inside its tile (a full tile at 16), GQA 2:1, a cached prefix and padding."""
+    D = bd if bd == 16 else bd - 8
+    assert _flash.block_d(D) == bd
+    inputs = _inputs(1, affine.ROW_BLOCK + 3, 3, 2, 1, D, True, 1.0, bd, dtype=_DTYPES[dtype])  # rows: 2·(16 + 3)
+    assert_matches_float64(affine_scaled_attention, affine_scaled_attention_reference, inputs, GRADS)

@@ -434,23 +434,8 @@ _OFFSET_VIEWS = {
 }
 
 # Kernels whose static cases do not yet declare every pointer their launch passes
-# aligned (so the table holds a binary compiled without that specialisation).
-_ALIGNMENT_PENDING = {
-    "affine_scaled_attention._affine_bwd_rows_kernel", "affine_scaled_attention._affine_combine_kernel",
-    "affine_scaled_attention._vbar_chunk_sums_kernel", "affine_scaled_attention._vbar_expand_kernel",
-    "affine_scaled_attention._vbar_grad_chunk_sums_kernel", "affine_scaled_attention._vbar_grad_expand_kernel",
-    "_flash._flash_bwd_dkdv_kernel", "_flash._flash_bwd_dq_kernel", "_flash._flash_delta_kernel",
-    "_flash._flash_fwd_kernel",
-    "leviathan._bwd_norm_kernel", "leviathan._bwd_spline_kernel", "leviathan._fwd_kernel",
-    "memory_caching._mc_bwd_kv_kernel", "memory_caching._mc_bwd_mem_kernel", "memory_caching._mc_bwd_q_kernel",
-    "memory_caching._mc_fwd_kernel", "memory_caching._mc_mem_kernel",
-    "mosrah._bwd_prep_kernel", "mosrah._mosrah_bwd_dkdv_kernel", "mosrah._mosrah_bwd_dq_kernel",
-    "mosrah._mosrah_fwd_kernel", "mosrah._pack_kernel", "mosrah._unpack_grad_kernel",
-    "spelling_bee._bee_bwd_kernel", "spelling_bee._bee_fwd_kernel",
-    "stack_memory._scan_adjoint_summary_kernel", "stack_memory._scan_backward_kernel",
-    "stack_memory._scan_expand_kernel", "stack_memory._scan_summary_kernel", "stack_memory._stack_step_bwd_kernel",
-    "stack_memory._stack_step_fwd_kernel",
-}
+# aligned (so the table holds a binary compiled without that specialisation): none.
+_ALIGNMENT_PENDING: set[str] = set()
 
 
 def _kernel_key(fn) -> str:
