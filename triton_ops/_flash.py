@@ -919,9 +919,12 @@ def static_cases(out_dtypes: tuple[str, ...] | None = None,
 
     ``out_dtypes`` lists extra forward output dtypes (an epilogue caller stores O in
     fp32 for bf16/fp16 inputs); ``windows`` which HAS_WINDOW variants the caller uses.
-    bf16/fp16 at head dims 64 and 128 compile as launched for a head dim that is a
-    multiple of 16 (16-byte-aligned tensors, ``divisible``) and must build on Hopper's
-    wgmma (``expect``); other head dims padded to them have their own tiles."""
+    Every pointer compiles 16-byte aligned (``divisible``), as the launchers pass it
+    (contiguous inputs through :func:`_aligned`, fresh outputs, :func:`mask_arg`), and
+    so do the integers that always are (``S_BUCKET``; ``WINDOW`` is 0 without a window).
+    bf16/fp16 at head dims 64 and 128 also compile ``D`` divisible by 16, the launch of
+    a head dim that is a multiple of 16, and must build on Hopper's wgmma (``expect``);
+    other head dims padded to them have their own tiles."""
     scalars = dict(S="i32", N="i32", H="i32", HKV="i32", D="i32", qk_scale="fp32")
     tail = dict(WINDOW="i32", S_BUCKET="i32")
     for dt in ("fp32", "bf16", "fp16"):
@@ -971,13 +974,18 @@ def static_cases(out_dtypes: tuple[str, ...] | None = None,
                                                   STRIDE_VB="i32", STRIDE_N="i32"),
                                  dict(HAS_MASK=has_mask, HAS_WINDOW=False, BLOCK_M=DECODE_MAX_QUERIES,
                                       BLOCK_N=decode_block_n(bd, fp32), BLOCK_D=bd, EVEN_D=ev_d, PRECISION=precision),
-                                 decode_warps(bd), 2, tags={"dtype": dt})
+                                 decode_warps(bd), 2, tags={"dtype": dt},
+                                 # q and the partials are fresh or `_aligned`, k and v `_aligned` views
+                                 # whose strides vary with the cache (not declared); WINDOW is 0 and
+                                 # SPLIT_N whole key blocks
+                                 divisible=("q_ptr", "k_ptr", "v_ptr", "mask_ptr", "part_ptr", "ml_ptr", "WINDOW",
+                                            "SPLIT_N"))
             if decode_split(bd, fp32):
                 yield StaticCase("flash_decode_combine", _flash_decode_combine,
                                  dict(part_ptr="*fp32", ml_ptr="*fp32", o_ptr=p, S="i32", H="i32", D="i32",
                                       SPLITS="i32"),
                                  dict(BLOCK_M=DECODE_MAX_QUERIES, BLOCK_SPLIT=DECODE_MAX_SPLITS, BLOCK_D=bd),
-                                 decode_warps(bd), tags={"dtype": dt})
+                                 decode_warps(bd), tags={"dtype": dt}, divisible=("part_ptr", "ml_ptr", "o_ptr"))
             yield StaticCase("flash_delta", _flash_delta_kernel,
                              dict(o_ptr=p, do_ptr=p, delta_ptr="*fp32", R="i32", S="i32", H="i32", D="i32"),
                              dict(BLOCK_R=max(1, DELTA_TILE // bd), BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt},
