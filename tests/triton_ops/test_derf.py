@@ -26,6 +26,7 @@ from laminae.triton_ops.testing import parity_float64
 
 from .._decoding import prefill_then_decode
 from .._helpers import DEVICE, assert_parity, keep_mask, scales, seeds
+from .test_launch_configurations import _check
 
 ATTN_GRADS = ["q", "k", "v", "derf_alpha", "derf_bias", "derf_gamma"]
 GATE_GRADS = ["retrieved", "logits", "alpha", "bias", "gamma"]
@@ -460,39 +461,6 @@ def _bias_grad_magnitude(inp, upstream):
     return rows.pow(2).sum(dim=(0, 2)).sqrt()
 
 
-def _check_attention(inp, dtype):
-    """Output and every gradient against float64 by relative RMSE, bounded as
-    test_launch_configurations._check does; ∂b's bound as well relative to
-    :func:`_bias_grad_magnitude`."""
-    from laminae.triton_ops._parity import _run
-    from laminae.triton_ops.testing import FLOAT64_ABS_RMS
-
-    from .._helpers import FLOAT64_REL_RMSE
-    from .test_launch_configurations import SAME_DTYPE_FACTOR
-
-    out_a, grad_a, up = _run(derf_attention, inp, ATTN_GRADS, None, 0, None)
-    out_b, grad_b, _ = _run(derf_attention_reference, inp, ATTN_GRADS, up, 0, torch.float64)
-    same = {}
-    if dtype != torch.float32:   # the reference with every floating input in the dtype
-        cast = {n: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for n, x in inp.items()}
-        out_c, grad_c, _ = _run(derf_attention_reference, cast, ATTN_GRADS, up, 0, None)
-        same = {"out": out_c[0], **{f"d{n}": grad_c[n] for n in ATTN_GRADS}}
-    pairs = [("out", out_a[0], out_b[0])] + [(f"d{n}", grad_a[n], grad_b[n]) for n in ATTN_GRADS]
-    rel = FLOAT64_REL_RMSE[dtype]
-    failures = []
-    for name, a, b in pairs:
-        a, b = a.detach().double(), b.detach().double()
-        err, norm = float(torch.linalg.vector_norm(a - b)), float(torch.linalg.vector_norm(b))
-        bound = rel * norm + FLOAT64_ABS_RMS * b.numel() ** 0.5
-        if name in same:
-            bound = max(bound, SAME_DTYPE_FACTOR * float(torch.linalg.vector_norm(same[name].detach().double() - b)))
-        if name == "dderf_bias":
-            bound = max(bound, rel * float(torch.linalg.vector_norm(_bias_grad_magnitude(inp, up[0]))))
-        if not err <= bound:
-            failures.append(f"{name}: ‖a−b‖ = {err:.3e} > {bound:.3e} (relative {err / max(norm, 1e-30):.3e})")
-    assert not failures, "op differs from the float64 truth:\n" + "\n".join(failures)
-
-
 def _attention_runs():
     return sorted({(c.tags["dtype"], c.constexprs["BLOCK_D"], c.constexprs["HAS_MASK"])
                    for c in static_cases() if c.name == "derf_fwd"})
@@ -521,7 +489,8 @@ def test_attention_every_launch_configuration_against_float64(dtype, block_d, ma
     S = 2 * widest + 5
     heads = (2, 1) if masked == (dtype == "bf16") else (1, 1)
     inp = _attn_inputs(1, S, 3, *heads, D, masked, 1.0, 1.0, seed=D + S, dtype=torch_dtype)
-    _check_attention(inp, torch_dtype)
+    _check(derf_attention, derf_attention_reference, inp, ATTN_GRADS, torch_dtype, names=["out"],
+           floors={"dderf_bias": lambda up: _bias_grad_magnitude(inp, up[0])})
 
 
 GATE_DTYPES = sorted({c.tags["dtype"] for c in static_cases() if c.name == "derf_gate_fwd"})
@@ -531,7 +500,6 @@ GATE_DTYPES = sorted({c.tags["dtype"] for c in static_cases() if c.name == "derf
 def test_context_gate_every_launch_configuration_against_float64(dtype):
     from laminae.triton_ops.derf import GATE_BLOCK_F, GATE_BLOCK_R
 
-    from .test_launch_configurations import _check
 
     # five row tiles (the backward's four CPU programs: one walks two), ragged; two
     # feature tiles and a ragged one

@@ -12,6 +12,7 @@ from laminae.triton_ops.elo_attention import elo_attention, elo_attention_op
 
 from .._decoding import prefill_then_decode
 from .._helpers import DEVICE, assert_parity, scales, seeds
+from .test_launch_configurations import _check
 
 elo_triton = importlib.import_module("laminae.triton_ops.elo_attention")  # the kernel file, not the function
 
@@ -231,39 +232,6 @@ def _gain_grad_magnitude(inp, upstream):
     return rows.pow(2).sum(dim=(0, 2)).sqrt() * (1 - gain.flatten() ** 2)
 
 
-def _check_every_output(inp, dtype):
-    """test_launch_configurations._check, one call of the op; ∂gain's bound as well
-    relative to :func:`_gain_grad_magnitude`."""
-    from laminae.triton_ops._parity import _run
-    from laminae.triton_ops.testing import FLOAT64_ABS_RMS
-
-    from .._helpers import FLOAT64_REL_RMSE
-    from .test_launch_configurations import SAME_DTYPE_FACTOR
-
-    grads = [n for n in GRADS if n in inp]
-    out_a, grad_a, up = _run(elo_attention, inp, grads, None, 0, None)
-    out_b, grad_b, _ = _run(elo_attention_reference, inp, grads, up, 0, torch.float64)
-    same = {}
-    if dtype != torch.float32:   # the reference with every floating input in the dtype
-        cast = {n: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for n, x in inp.items()}
-        out_c, grad_c, _ = _run(elo_attention_reference, cast, grads, up, 0, None)
-        same = {**dict(zip(OUTPUTS, out_c)), **{f"d{n}": grad_c[n] for n in grads}}
-    pairs = list(zip(OUTPUTS, out_a, out_b)) + [(f"d{n}", grad_a[n], grad_b[n]) for n in grads]
-    rel = FLOAT64_REL_RMSE[dtype]
-    failures = []
-    for name, a, b in pairs:
-        a, b = a.detach().double(), b.detach().double()
-        err, norm = float(torch.linalg.vector_norm(a - b)), float(torch.linalg.vector_norm(b))
-        bound = rel * norm + FLOAT64_ABS_RMS * b.numel() ** 0.5
-        if name in same:
-            bound = max(bound, SAME_DTYPE_FACTOR * float(torch.linalg.vector_norm(same[name].detach().double() - b)))
-        if name == "delo_gain":
-            bound = max(bound, rel * float(torch.linalg.vector_norm(_gain_grad_magnitude(inp, up[0]))))
-        if not err <= bound:
-            failures.append(f"{name}: ‖a−b‖ = {err:.3e} > {bound:.3e} (relative {err / max(norm, 1e-30):.3e})")
-    assert not failures, "op differs from the float64 truth:\n" + "\n".join(failures)
-
-
 def _launch_runs():
     return sorted({(c.tags["dtype"], c.constexprs["BLOCK_D"]) for c in elo_triton.static_cases()
                    if c.name == "elo_fwd_stats"})
@@ -285,4 +253,5 @@ def test_every_launch_configuration_against_float64(dtype, D):
     S = 2 * widest + 5
     heads = (1, 1) if dtype == "fp16" else (2, 1)
     inp = _inputs(1, S, 3, *heads, D, "ragged", 1.0, 1.0, D + S, dtype=torch_dtype)
-    _check_every_output(inp, torch_dtype)
+    _check(elo_attention, elo_attention_reference, inp, [n for n in GRADS if n in inp], torch_dtype, names=OUTPUTS,
+           floors={"delo_gain": lambda up: _gain_grad_magnitude(inp, up[0])})
