@@ -517,7 +517,8 @@ def uniform(block_m: int, block_n: int, warps: int, stages: int, **per_kernel) -
 _TILES: dict[tuple[str, int], EloTiles] = {
     ("fp32", 16): uniform(32, 32, 4, 2, suffix=(32, 8, 2), dkdv=(32, 8, 2)),
     ("fp32", 32): uniform(32, 32, 4, 1),   # two stages make dk/dv spill
-    ("fp32", 64): uniform(16, 16, 4, 2, suffix=(16, 8, 2), dq=(16, 8, 2), dkdv=(16, 8, 2)),
+    # with D specialised (its launches are aligned) out spills at 4 warps and suffix at 8
+    ("fp32", 64): uniform(16, 16, 4, 2, out=(16, 8, 2), suffix=(16, 16, 2), dq=(16, 8, 2), dkdv=(16, 8, 2)),
     ("fp32", 128): uniform(16, 16, 8, 1),  # likewise
     ("16bit", 16): uniform(64, 64, 4, 2, suffix=(32, 4, 2), dq=(32, 4, 2), dkdv=(32, 4, 2)),
     ("16bit", 32): uniform(64, 64, 4, 2, suffix=(32, 4, 2), dq=(32, 4, 2), dkdv=(16, 4, 2)),
@@ -697,10 +698,9 @@ def launch_elo_attention(q, k, v, elo_log_k, elo_gain, prior_rating=None, attent
 
 def _aligned(sig: dict, bd: int, dt: str) -> tuple[str, ...]:
     """What Triton's launcher specialises as 16-divisible: every pointer (contiguous
-    inputs, fresh outputs and scratch are 16-byte aligned) and, at the 16-bit tiles of
-    the common head dims 64 and 128, the head dim D itself. Not declared for fp32: with
-    D aligned the fp32 out and suffix kernels at BLOCK_D 64 spill 4-8 bytes."""
-    wide = bd >= 64 and "D" in sig and dt != "fp32"
+    inputs, fresh outputs and scratch are 16-byte aligned) and, at the tiles of the
+    common head dims 64 and 128, the head dim D itself."""
+    wide = bd >= 64 and "D" in sig
     return tuple(k for k, v in sig.items() if v.startswith("*")) + (("D",) if wide else ())
 
 
@@ -737,7 +737,7 @@ def static_cases() -> Iterator[StaticCase]:
             yield StaticCase("elo_bwd_delta", _elo_bwd_delta_kernel,
                              dict(do_ptr=f"*{dt}", o_ptr=f"*{dt}", delta_ptr="*fp32", S="i32", H="i32", D="i32"),
                              dict(BLOCK_M=DELTA_BLOCK_M, BLOCK_D=bd), DELTA_WARPS, tags={"dtype": dt},
-                             divisible=("do_ptr", "o_ptr", "delta_ptr") + (("D",) if bd >= 64 and dt != "fp32" else ()))
+                             divisible=("do_ptr", "o_ptr", "delta_ptr") + (("D",) if bd >= 64 else ()))
 
 
 def tour_case(device: torch.device):
