@@ -9,7 +9,7 @@ from laminae.primitives import BackendUnavailableError, ConfigError, DTypeError
 from laminae.primitives.hrm_refinement import HRMRefinementBlock, hrm_refinement_reference
 from laminae.triton_ops.hrm_refinement import hrm_refinement, hrm_refinement_fwd
 
-from .._helpers import DEVICE, assert_parity, scales, seeds
+from .._helpers import DEVICE, assert_matches_float64, assert_parity, scales, seeds
 
 hrm_ops = import_module("laminae.triton_ops.hrm_refinement")  # the package attribute is the function
 GRADS = ["x", "norm_weight", "down_weight", "up_weight", "gate"]
@@ -29,8 +29,14 @@ def _inputs(rows, d, refine, steps, scale, gate_scale, seed, dtype=torch.float32
 @given(rows=st.integers(1, 40), d=st.integers(1, 150), refine=st.integers(1, 40), steps=st.integers(1, 4),
        scale=scales, gate_scale=st.sampled_from([0.1, 1.0, 3.0]), seed=seeds)
 def test_kernel_matches_reference_fp32(rows, d, refine, steps, scale, gate_scale, seed):
+    """Against float64, gradients by relative RMSE over the tensor: fp32 against fp32
+    element by element failed where the reference is the one further from the truth
+    (rows 3, d 117, refine 16, steps 3, scale 0.01, seed 3: the largest dx error 3.0e-4
+    in the fp32 reference, 1.9e-4 in the kernel). A norm over few features cancels in
+    fp32 whoever computes it (d 1, gate scale 3: dx 3.4e-5 from float64 in both), so a
+    gradient may also be up to 4× as far from the truth as the fp32 reference."""
     inp = _inputs(rows, d, refine, steps, scale, gate_scale, seed)
-    assert_parity(hrm_refinement, hrm_refinement_reference, inp, GRADS)
+    assert_matches_float64(hrm_refinement, hrm_refinement_reference, inp, GRADS, conditioning=4)
 
 
 def test_kernel_handles_leading_dims_and_noncontiguous():
