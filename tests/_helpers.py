@@ -47,7 +47,7 @@ FLOAT64_REL_RMSE = {torch.float32: public.FLOAT64_REL_RMSE, torch.float16: 5e-4,
 
 
 def assert_matches_float64(op, reference, inputs, grad_names, *, dtype=None, exact_names=(), conditioning=None,
-                           seed: int = 0):
+                           slack=None, seed: int = 0):
     """Judge ``op`` against ``reference`` run in float64 (the truth), not against an fp32 run:
     every output and gradient by relative RMSE over the tensor (``FLOAT64_REL_RMSE`` of the
     inputs' dtype, with ``parity_float64``'s absolute floor), and the outputs of an fp32 op
@@ -60,7 +60,11 @@ def assert_matches_float64(op, reference, inputs, grad_names, *, dtype=None, exa
     ``conditioning=K`` (for property tests that draw ill-conditioned cases) also runs the
     reference on the inputs as given and lets a gradient be up to K times as far from the
     truth as that run is: where a gradient is tiny next to the terms it cancels (a
-    LayerNorm over two seed dims), no fp32 computation holds the fixed bound."""
+    LayerNorm over two seed dims), no fp32 computation holds the fixed bound.
+
+    ``slack={name: e}`` adds ``e`` to the bound on ``‖a − b‖`` of that compared tensor:
+    an error the test derives from its inputs' conditioning (what any fp32 order of
+    summation may cost on an ill-conditioned row), so only those rows' share is relaxed."""
     from laminae.triton_ops._parity import _run, compare
 
     dtype = dtype or next(v.dtype for v in inputs.values() if isinstance(v, torch.Tensor) and v.is_floating_point())
@@ -70,6 +74,8 @@ def assert_matches_float64(op, reference, inputs, grad_names, *, dtype=None, exa
     pairs = [(f"out{i}", a, b, None) for i, (a, b) in enumerate(zip(out_a, out_b))
              if isinstance(a, torch.Tensor) and a.is_floating_point()]
     pairs += [(f"d{k}", grad_a.get(k), grad_b.get(k), grad_c.get(k)) for k in grad_names]
+    unknown = sorted(set(slack or {}) - {p[0] for p in pairs})
+    assert not unknown, f"slack names {unknown}, which are not compared here"
     failures = []
     for name, a, b, c in pairs:
         if a is None or b is None:
@@ -82,6 +88,7 @@ def assert_matches_float64(op, reference, inputs, grad_names, *, dtype=None, exa
         bound = bound_rel * ref + public.FLOAT64_ABS_RMS * max(1, b64.numel()) ** 0.5
         if c is not None:
             bound = max(bound, conditioning * float(torch.linalg.vector_norm(c.detach().double() - b64)))
+        bound += (slack or {}).get(name, 0.0)
         if not err <= bound:
             failures.append(f"{name}: ‖a−b‖ = {err:.3e} > {bound:.3e} (relative RMSE {err / max(ref, 1e-30):.3e}, "
                             f"bound {bound_rel})")
