@@ -27,7 +27,7 @@ scaled by the fp32 inverse RMS norms, S_ij = s·ρ_i·ρ_j·(k_i·k_j); k̂ is n
     lower triangle. A program owns the head-dim columns of its tile only (dS needs
     all of D, so each recomputes it): with one tile the RMS-norm backward
     ``dk = ρ(dk̂ − k̂(k̂·dk̂)/d)`` is its epilogue, with several (head dim 128) dk̂ goes
-    to an fp32 buffer and ``_lucid_norm_bwd_kernel`` finishes the rows.
+    to an fp32 buffer and ``_lucid_norm_bwd_kernel`` finishes the rows (and the diagonal).
 ``_lucid_cache_panel_kernel``, decoding: the new keys' rows of L against the cached
     keys, ``Σ_j L_tj v′_j`` in split-K chunks of the cache (ρ of the cached keys
     recomputed from their raw values); the substitution over the new keys subtracts
@@ -41,8 +41,9 @@ in "tf32x3" (three TF32 products: fp32 accuracy on the tensor cores), so the
 diagonal solve is fp32 as the method asks. The interpreter computes every product
 exactly in its operands, which then equals what the GPU computes up to the
 accumulation order and tf32x3's dropped low-order product (about 2⁻²² relative).
-Saved for backward: raw k, V′ (in the input dtype: the operand the products read), ρ,
-the diagonal inverses and the keep mask. Never materialised: any N×N matrix.
+Saved for backward: raw k, V′ in fp32 (the backward casts the 16-bit operand copy the
+products read; the fp32 rows give the diagonal's coefficients dV_i·V′_i, a dot product
+that may cancel), ρ, the diagonal inverses and the keep mask. Never materialised: any N×N matrix.
 
 Padding keys (keep mask 0) have a zero row and column in L and a unit diagonal: ρ is
 0, they get no preconditioner gradient, and their contents are selected away (never
@@ -303,14 +304,15 @@ def _dk_pass(acc, k_i, rho_i, a_i, keep_i, lo, hi, k_base, b_base, rho_base, mas
 
 
 @triton.jit(do_not_specialize=["N", "HKV", "head_dim"])
-def _lucid_dk_kernel(k_ptr, mask_ptr, rho_ptr, vp_ptr, dv_ptr, out_ptr, diag_ptr, N, HKV, D, head_dim, eps, scale,
-                     shift,
+def _lucid_dk_kernel(k_ptr, mask_ptr, rho_ptr, vp_ptr, dv_ptr, vp32_ptr, dv32_ptr, out_ptr, N, HKV, D,
+                     head_dim, eps, scale, shift,
                      HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_DK: tl.constexpr, PRECISION: tl.constexpr):
     """Key block I (BLOCK rows), head-dim columns [d0, d0 + BLOCK_DK), over key tiles J
     of BLOCK_N (BLOCK a multiple). With BLOCK_DK = BLOCK_D: dk in the dtype of k;
-    otherwise the off-diagonal dk̂ (fp32) and the diagonal coefficients (``diag_ptr``)
-    for ``_lucid_norm_bwd_kernel``."""
+    otherwise the off-diagonal dk̂ (fp32) for ``_lucid_norm_bwd_kernel``, which also
+    takes the diagonal. ``vp_ptr``/``dv_ptr`` are the products' operands (the dtype of
+    k), ``vp32_ptr``/``dv32_ptr`` the same in fp32 for the diagonal."""
     pid_n = tl.program_id(0)
     d0 = tl.program_id(1) * BLOCK_DK
     pid = tl.program_id(2)
@@ -331,15 +333,21 @@ def _lucid_dk_kernel(k_ptr, mask_ptr, rho_ptr, vp_ptr, dv_ptr, out_ptr, diag_ptr
     # kept out of the products. It lies along k̂_i, which the RMS-norm backward projects
     # out up to O(eps): summed into dk̂ its rounding (16-bit, or fp32 against an O(eps)
     # result) would not cancel, so it goes through the projection in closed form
-    # (``_norm_backward``).
+    # (``_norm_backward``). Its coefficient dV_i·V′_i is a dot product that may cancel
+    # (a key alone in its sequence has only this term): from the fp32 rows, since their
+    # 16-bit roundings would leave it up to 2⁻⁹·Σ|dV·V′| off. Split over the head dim,
+    # the norm kernel takes it: two more fp32 [BLOCK, BLOCK_D] tiles here would spill.
+    if UNIT_DIAG or BLOCK_DK < BLOCK_D:  # a constant diagonal has no gradient
+        diag = tl.zeros((BLOCK,), dtype=tl.float32)
+    else:
+        diag = _diagonal_coefficients(
+            k_i.to(tl.float32) * rho_i[:, None],
+            _load_block(dv32_ptr + base, start, 0, keep_i, N, D, row_stride, BLOCK, BLOCK_D),
+            _load_block(vp32_ptr + base, start, 0, keep_i, N, D, row_stride, BLOCK, BLOCK_D), keep_i, scale, shift)
     dv_i = _load_block(dv_ptr + base, start, 0, keep_i, N, D, row_stride, BLOCK, BLOCK_D).to(operand)
     vp_i = _load_block(vp_ptr + base, start, 0, keep_i, N, D, row_stride, BLOCK, BLOCK_D).to(operand)
     l_ii = _l_tile(k_i, k_i, rho_i, rho_i, keep_i[:, None] & keep_i[None, :], scale, shift, PRECISION)
     m = tl.dot(dv_i, tl.trans(vp_i), input_precision=PRECISION)  # dV_I V′_Iᵀ
-    if UNIT_DIAG:  # a constant diagonal has no gradient
-        diag = tl.zeros((BLOCK,), dtype=tl.float32)
-    else:
-        diag = -2.0 * scale * tl.reduce(tl.where(rows[:, None] == rows[None, :], m * l_ii, 0.0), 1, _sum_combine)
     ds = tl.where(rows[None, :] < rows[:, None], m, tl.where(rows[None, :] > rows[:, None], tl.trans(m), 0.0))
     if BLOCK_DK < BLOCK_D:
         kd_i = _load_block(k_ptr + base, start, d0, keep_i, N, D, row_stride, BLOCK, BLOCK_DK)
@@ -356,13 +364,18 @@ def _lucid_dk_kernel(k_ptr, mask_ptr, rho_ptr, vp_ptr, dv_ptr, out_ptr, diag_ptr
         offs_c = d0 + tl.arange(0, BLOCK_DK)
         tl.store(out_ptr + base + rows[:, None] * row_stride + offs_c[None, :], dkh,
                  mask=(rows < N)[:, None] & (offs_c < D)[None, :])
-        if d0 == 0:
-            tl.store(diag_ptr + pid.to(tl.int64) * N + rows, diag, mask=rows < N)
     else:
         offs_d = tl.arange(0, BLOCK_D)
         dk = _norm_backward(k_i.to(tl.float32) * rho_i[:, None], rho_i, dkh, diag, eps, head_dim)
         tl.store(out_ptr + base + rows[:, None] * row_stride + offs_d[None, :], dk.to(out_ptr.dtype.element_ty),
                  mask=(rows < N)[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
+def _diagonal_coefficients(kh, dv32, vp32, keep, scale, shift):
+    """c_i = 2·s·dS_ii = −2·s·L_ii·(dV_i·V′_i) from fp32 rows of k̂, dV and V′."""
+    l_diag = tl.where(keep, tl.exp(tl.reduce(kh * kh, 1, _sum_combine) * scale - shift), 0.0)
+    return -2.0 * scale * l_diag * tl.reduce(dv32 * vp32, 1, _sum_combine)
 
 
 @triton.jit
@@ -375,10 +388,11 @@ def _norm_backward(kh, rho, dkh, diag, eps, head_dim):
 
 
 @triton.jit(do_not_specialize=["N", "HKV", "head_dim"])
-def _lucid_norm_bwd_kernel(k_ptr, mask_ptr, rho_ptr, dkh_ptr, diag_ptr, dk_ptr, N, HKV, D, head_dim, eps,
-                           HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The RMS-norm backward of ``_norm_backward`` for a tile of rows, from the dk̂ and
-    diagonal coefficients of a head-dim-split dk̂ kernel."""
+def _lucid_norm_bwd_kernel(k_ptr, mask_ptr, rho_ptr, dkh_ptr, vp32_ptr, dv32_ptr, dk_ptr, N, HKV, D, head_dim, eps,
+                           scale, shift, HAS_MASK: tl.constexpr, UNIT_DIAG: tl.constexpr, BLOCK: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+    """The RMS-norm backward of ``_norm_backward`` for a tile of rows, from the dk̂ of a
+    head-dim-split dk̂ kernel, with the diagonal's coefficients from the fp32 rows."""
     pid_n = tl.program_id(0)
     pid = tl.program_id(1)
     b = (pid // HKV).to(tl.int64)
@@ -390,9 +404,14 @@ def _lucid_norm_bwd_kernel(k_ptr, mask_ptr, rho_ptr, dkh_ptr, diag_ptr, dk_ptr, 
     d_ok = offs_d < D
     keep = _keep_rows(mask_ptr, b * N, rows, N, HAS_MASK)
     rho = tl.load(rho_ptr + pid.to(tl.int64) * N + rows, mask=rows < N, other=0.0)
-    diag = tl.load(diag_ptr + pid.to(tl.int64) * N + rows, mask=keep, other=0.0)
     kh = _load_rows(k_ptr + base, rows, keep, offs_d, d_ok, row_stride).to(tl.float32) * rho[:, None]
     dkh = _load_rows(dkh_ptr + base, rows, keep, offs_d, d_ok, row_stride)
+    if UNIT_DIAG:
+        diag = tl.zeros((BLOCK,), dtype=tl.float32)
+    else:
+        diag = _diagonal_coefficients(kh, _load_rows(dv32_ptr + base, rows, keep, offs_d, d_ok, row_stride),
+                                      _load_rows(vp32_ptr + base, rows, keep, offs_d, d_ok, row_stride), keep,
+                                      scale, shift)
     dk = _norm_backward(kh, rho, dkh, diag, eps, head_dim)
     tl.store(dk_ptr + base + rows[:, None] * row_stride + offs_d[None, :], dk.to(dk_ptr.dtype.element_ty),
              mask=(rows < N)[:, None] & d_ok[None, :])
@@ -583,8 +602,10 @@ def _substitute(k: torch.Tensor, rhs: torch.Tensor, key_mask: torch.Tensor | Non
 
 
 def _key_gradient(k: torch.Tensor, key_mask: torch.Tensor | None, rho: torch.Tensor, vp: torch.Tensor,
-                  dv: torch.Tensor, head_dim: int, eps: float, unit_diagonal: bool, t: Tiles) -> torch.Tensor:
-    """The preconditioner's dk (dtype of k) from V′ and dV (fp32 or the dtype of k)."""
+                  dv: torch.Tensor, vp32: torch.Tensor, dv32: torch.Tensor, head_dim: int, eps: float,
+                  unit_diagonal: bool, t: Tiles) -> torch.Tensor:
+    """The preconditioner's dk (dtype of k) from V′ and dV as the products' operands (the
+    dtype of k) and in fp32 (the diagonal's coefficients; the same tensors for fp32 k)."""
     B, N, HKV, D = k.shape
     scale, shift = _scalars(head_dim)
     bd = block_d(D)
@@ -592,16 +613,15 @@ def _key_gradient(k: torch.Tensor, key_mask: torch.Tensor | None, rho: torch.Ten
     split = cols < bd
     dk = empty(k.shape, dtype=k.dtype, device=k.device)
     dkh = empty(k.shape, dtype=torch.float32, device=k.device) if split else dk
-    diag = empty((B * HKV, N), dtype=torch.float32, device=k.device) if split else _nothing(torch.float32, k.device)
     wrap_triton(_lucid_dk_kernel)[(triton.cdiv(N, t.block), triton.cdiv(D, cols), B * HKV)](
-        k, key_mask, rho, vp, dv, dkh, diag, N, HKV, D, head_dim, eps, scale, shift,
+        k, key_mask, rho, vp, dv, vp32, dv32, dkh, N, HKV, D, head_dim, eps, scale, shift,
         HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=t.block, BLOCK_N=t.dk_block_n,
         BLOCK_D=bd, BLOCK_DK=cols, PRECISION=dot_precision(k.dtype), num_warps=t.dk_warps, num_stages=NUM_STAGES,
     )
     if split:
         wrap_triton(_lucid_norm_bwd_kernel)[(triton.cdiv(N, t.block), B * HKV)](
-            k, key_mask, rho, dkh, diag, dk, N, HKV, D, head_dim, eps, HAS_MASK=key_mask is not None,
-            BLOCK=t.block, BLOCK_D=bd, num_warps=t.dk_warps,
+            k, key_mask, rho, dkh, vp32, dv32, dk, N, HKV, D, head_dim, eps, scale, shift,
+            HAS_MASK=key_mask is not None, UNIT_DIAG=unit_diagonal, BLOCK=t.block, BLOCK_D=bd, num_warps=t.dk_warps,
         )
     return dk
 
@@ -660,13 +680,15 @@ def _lucid_precondition_op(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
 def _lucid_precondition_bwd_op(dvp: torch.Tensor, k: torch.Tensor, vp: torch.Tensor, rho: torch.Tensor,
                                linv: torch.Tensor, key_mask: torch.Tensor | None, head_dim: int, eps: float,
                                unit_diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dk, dv) of the preconditioner, both in the dtype of k (dv = L⁻ᵀ dV′; V′ as saved)."""
+    """(dk, dv) of the preconditioner, both in the dtype of k (dv = L⁻ᵀ dV′; V′ fp32 as saved)."""
     t = tiles(head_dim, k.dtype)
     low = k.dtype != torch.float32
-    dv32, dv_op = _substitute(k, dvp, key_mask, rho, linv, head_dim, t, transposed=True, store_out=not low,
+    dv32, dv_op = _substitute(k, dvp, key_mask, rho, linv, head_dim, t, transposed=True, store_out=True,
                               store_op=low)
-    dv = dv_op if low else dv32
-    return _key_gradient(k, key_mask, rho, vp, dv, head_dim, eps, unit_diagonal, t), dv
+    if not low:
+        return _key_gradient(k, key_mask, rho, vp, dv32, vp, dv32, head_dim, eps, unit_diagonal, t), dv32
+    vp_op = vp.to(k.dtype)
+    return _key_gradient(k, key_mask, rho, vp_op, dv_op, vp, dv32, head_dim, eps, unit_diagonal, t), dv_op
 
 
 def _setup_context(ctx, inputs, output):
@@ -674,7 +696,9 @@ def _setup_context(ctx, inputs, output):
     vp, vp_op, rho, linv = output
     ctx.mark_non_differentiable(rho, linv)
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(k, vp if k.dtype == torch.float32 else vp_op, rho, linv, key_mask)
+    # V′ in fp32 (not its 16-bit operand copy): the dk kernel's diagonal coefficients
+    # dV_i·V′_i need it, and the operand is one cast away
+    ctx.save_for_backward(k, vp, rho, linv, key_mask)
     ctx.head_dim, ctx.eps, ctx.unit_diagonal = head_dim, eps, unit_diagonal
     ctx.v_dtype = v.dtype
 
@@ -864,13 +888,13 @@ def static_cases() -> Iterator[StaticCase]:
                                     SUB=min(SUB, t.block), LEVELS=_levels(t.block), PRECISION=precision,
                                     INV_PRECISION=inv_precision), t.warps)
                     yield case("lucid_bwd_dk", _lucid_dk_kernel,
-                               dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", vp_ptr=p, dv_ptr=p,
-                                    out_ptr=p if cols == bd else "*fp32", diag_ptr="*fp32") | sizes
+                               dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", vp_ptr=p, dv_ptr=p, vp32_ptr="*fp32",
+                                    dv32_ptr="*fp32", out_ptr=p if cols == bd else "*fp32") | sizes
                                | dict(head_dim="i32", eps="fp32", scale="fp32", shift="fp32"),
                                dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=t.block, BLOCK_N=t.dk_block_n,
                                     BLOCK_D=bd, BLOCK_DK=cols, PRECISION=precision), t.dk_warps)
                 # forward (V′ in fp32 and, for 16-bit inputs, in their dtype), dV, decoding (fp32 V′ only)
-                variants = {"lucid_solve": (p, False, True, wgmma), "lucid_bwd_dv": ("*fp32", True, not wgmma, wgmma)}
+                variants = {"lucid_solve": (p, False, True, wgmma), "lucid_bwd_dv": ("*fp32", True, True, wgmma)}
                 if wgmma:
                     variants["lucid_decode_solve"] = (p, False, True, False)
                 for name, (rhs, transposed, store_out, store_op) in variants.items():
@@ -890,10 +914,13 @@ def static_cases() -> Iterator[StaticCase]:
                                dict(HAS_MASK=has_mask, ROWS=rows, BLOCK_C=t.block, BLOCK_D=bd, PRECISION=precision),
                                t.panel_warps, matmul=rows >= 64, also=("kc_bstride", "vpc_bstride", "chunk"))
                 if cols < bd:
-                    yield case("lucid_bwd_norm", _lucid_norm_bwd_kernel,
-                               dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", dkh_ptr="*fp32", diag_ptr="*fp32",
-                                    dk_ptr=p) | sizes | dict(head_dim="i32", eps="fp32"),
-                               dict(HAS_MASK=has_mask, BLOCK=t.block, BLOCK_D=bd), t.dk_warps, matmul=False)
+                    for unit in (False, True):
+                        yield case("lucid_bwd_norm", _lucid_norm_bwd_kernel,
+                                   dict(k_ptr=p, mask_ptr="*i8", rho_ptr="*fp32", dkh_ptr="*fp32", vp32_ptr="*fp32",
+                                        dv32_ptr="*fp32", dk_ptr=p) | sizes
+                                   | dict(head_dim="i32", eps="fp32", scale="fp32", shift="fp32"),
+                                   dict(HAS_MASK=has_mask, UNIT_DIAG=unit, BLOCK=t.block, BLOCK_D=bd), t.dk_warps,
+                                   matmul=False)
 
 
 def tour_case(device: torch.device):
