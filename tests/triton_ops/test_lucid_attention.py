@@ -153,15 +153,19 @@ def test_preconditioner_16bit_matches_float64(B, N, HKV, D, masked, scale, dtype
         assert_float64_truth(lucid_precondition, lucid_precondition_reference, inp, ["k", "v"], dtype)
 
 
-@pytest.mark.parametrize("dtype", LOW, ids=str)
-def test_a_key_alone_gets_its_diagonal_gradient_in_fp32(dtype):
+@pytest.mark.parametrize("dtype, scale, split", [(torch.bfloat16, 0.01, False), (torch.float16, 0.01, False),
+                                                  (torch.float32, 1e-3, False), (torch.float32, 1e-3, True)],
+                         ids=["bf16", "fp16", "fp32", "fp32-split"])
+def test_a_key_alone_gets_its_diagonal_gradient_in_fp32(dtype, scale, split):
     """One key: its whole dk is the diagonal term, ∝ dV·V′ of that row, a dot product
-    that may cancel (here 9e-4 of Σ|dV·V′| = 0.2). With V′ and dV rounded to 16 bits
-    before it, dk came out 0.30 (bf16) and 0.026 (fp16) off in relative RMSE; the
-    kernel takes them in fp32 and lands where the fp32 reference does."""
-    inp = _inputs(1, 1, 1, 1, 1, 32, False, 0.01, 3926, dtype)
+    that may cancel (at scale 0.01, 9e-4 of Σ|dV·V′| = 0.2). With V′ and dV rounded to
+    16 bits before it, dk came out 0.30 (bf16) and 0.026 (fp16) off in relative RMSE;
+    the kernel takes them in fp32 and lands where the fp32 reference does. In fp32,
+    keys of RMS 1e-3 (where eps·ρ² ≈ 1/2 makes the term large) against the fp32 bound,
+    fused and through the head-dim split's norm kernel."""
+    inp = _inputs(1, 1, 1, 1, 1, 32, False, scale, 3926, dtype)
     del inp["q"]
-    with forced_tiles():
+    with forced_tiles(dk_cols=16 if split else None):
         assert_float64_truth(lucid_precondition, lucid_precondition_reference, inp, ["k", "v"], dtype)
 
 
