@@ -68,10 +68,14 @@ GRADS = ["q", "k", "v", "alpha", "alpha_ma"]
 
 @given(B=st.integers(1, 2), S=st.integers(1, 40), extra=st.integers(0, 16), hh=heads, D=head_dims,
        masked=st.booleans(), scale=scales, seed=seeds, small=st.booleans())
-def test_kernel_matches_reference_fp32(B, S, extra, hh, D, masked, scale, seed, small):
+def test_kernel_matches_float64(B, S, extra, hh, D, masked, scale, seed, small):
+    """Judged against float64: at scale 4 the softmax is sharp, and an output element
+    small next to the values it averages carries their rounding; the thorough profile
+    found such elements 2.1e-5 from the fp32 reference where the kernel was 9.5e-6 from
+    the truth and the fp32 reference 2.1e-5."""
     inp = _inputs(B, S, extra, *hh, D, masked, scale, seed)
     with small_tiles(small):
-        assert_parity(affine_scaled_attention, affine_scaled_attention_reference, inp, GRADS)
+        assert_matches_float64(affine_scaled_attention, affine_scaled_attention_reference, inp, GRADS)
 
 
 @given(B=st.integers(1, 2), S=st.integers(1, 40), extra=st.integers(0, 16), hh=heads, D=head_dims,
@@ -80,7 +84,7 @@ def test_flash_core_matches_softmax_reference(B, S, extra, hh, D, masked, scale,
     inp = _inputs(B, S, extra, *hh, D, masked, scale, seed)
     del inp["alpha"], inp["alpha_ma"]
     with small_tiles():
-        assert_parity(_flash.flash_attention, _flash.flash_attention_reference, inp, ["q", "k", "v"])
+        assert_matches_float64(_flash.flash_attention, _flash.flash_attention_reference, inp, ["q", "k", "v"])
 
 
 def test_flash_core_matches_torch_sdpa():

@@ -18,7 +18,7 @@ from laminae.triton_ops._flash import FlashTiles, flash_attention, flash_attenti
 
 from laminae.triton_ops.testing import FLOAT64_ABS_RMS
 
-from .._helpers import DEVICE, FLOAT64_REL_RMSE, assert_parity, keep_mask, scales, seeds
+from .._helpers import DEVICE, FLOAT64_REL_RMSE, assert_matches_float64, keep_mask, scales, seeds
 
 # Unequal tile sides both ways, so the diagonal blocks of the forward/dq loops and of
 # the dk/dv loop are cut by the causal bound in the middle of a tile.
@@ -114,7 +114,9 @@ def test_kernels_match_reference_with_unequal_tiles(B, S, extra, hh, D, masked, 
               "v": (torch.randn(B, N, HKV, D, generator=gen) * scale).to(DEVICE),
               "attention_mask": keep_mask(B, N, gen) if masked else None, "window": window}
     with forced_tiles(t):
-        assert_parity(flash_attention, flash_attention_reference, inputs, ["q", "k", "v"])
+        # against float64: an fp32 reference is itself a few 1e-5 off where a sharp softmax
+        # (scale 4) averages large values to a small one
+        assert_matches_float64(flash_attention, flash_attention_reference, inputs, ["q", "k", "v"])
 
 
 # ----------------------------------------------------------------------------
