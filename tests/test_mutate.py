@@ -102,9 +102,21 @@ def test_planting_text():
     assert mutate.mutated_text("abc", mutate.Mutant("m", "f.py", old="z", new="y"))[1] == "old text not found"
 
 
+def test_no_mutant_is_stale():
+    """Every mutant's text is still in its file (once, or at its ``occurrence``): a
+    kernel rewritten without its list following fails here, not only when someone next
+    runs the script (two of affine-scaled attention's went stale that way)."""
+    stale = []
+    for path in sorted((ROOT / "scripts" / "mutants").glob("*.toml")):
+        for m in mutate.load_plan(path.stem).mutants:
+            text = (ROOT / m.file).read_text()
+            planted, why = mutate.mutated_text(text, m)
+            if planted is None:
+                stale.append(f"{m.id} ({m.file}): {why}")
+    assert not stale, "mutants whose text is no longer in the code:\n" + "\n".join(stale)
+
+
 def test_every_mechanism_has_a_list():
-    # A list that goes stale when a kernel is rewritten is reported by the script
-    # (`make mutate`), not here: this only holds every mechanism to having one.
     from laminae.triton_ops.tour import MECHANISMS
 
     missing = [s for s in MECHANISMS if not (ROOT / "scripts" / "mutants" / f"{s}.toml").exists()]
