@@ -69,13 +69,16 @@ GRADS = ["q", "k", "v", "alpha", "alpha_ma"]
 @given(B=st.integers(1, 2), S=st.integers(1, 40), extra=st.integers(0, 16), hh=heads, D=head_dims,
        masked=st.booleans(), scale=scales, seed=seeds, small=st.booleans())
 def test_kernel_matches_float64(B, S, extra, hh, D, masked, scale, seed, small):
-    """Judged against float64: at scale 4 the softmax is sharp, and an output element
-    small next to the values it averages carries their rounding; the thorough profile
-    found such elements 2.1e-5 from the fp32 reference where the kernel was 9.5e-6 from
-    the truth and the fp32 reference 2.1e-5."""
+    """Judged against float64, the absolute terms at the size of the scores (scale²):
+    at scale 4 the softmax is sharp and an output element carries the rounding of the
+    scores and values it averages. The thorough profile found elements 2.1e-5 from the
+    fp32 reference where the kernel was 9.5e-6 from the truth and the fp32 reference
+    2.1e-5, and an element 4e-5 from the truth; a single query's single key gives dk
+    = 0 exactly, which the kernel's Σ O·dO backward leaves at 1e-5."""
     inp = _inputs(B, S, extra, *hh, D, masked, scale, seed)
     with small_tiles(small):
-        assert_matches_float64(affine_scaled_attention, affine_scaled_attention_reference, inp, GRADS)
+        assert_matches_float64(affine_scaled_attention, affine_scaled_attention_reference, inp, GRADS,
+                               magnitude=max(1.0, scale) ** 2)
 
 
 @given(B=st.integers(1, 2), S=st.integers(1, 40), extra=st.integers(0, 16), hh=heads, D=head_dims,
@@ -84,7 +87,8 @@ def test_flash_core_matches_softmax_reference(B, S, extra, hh, D, masked, scale,
     inp = _inputs(B, S, extra, *hh, D, masked, scale, seed)
     del inp["alpha"], inp["alpha_ma"]
     with small_tiles():
-        assert_matches_float64(_flash.flash_attention, _flash.flash_attention_reference, inp, ["q", "k", "v"])
+        assert_matches_float64(_flash.flash_attention, _flash.flash_attention_reference, inp, ["q", "k", "v"],
+                               magnitude=max(1.0, scale) ** 2)
 
 
 def test_flash_core_matches_torch_sdpa():
