@@ -21,7 +21,7 @@ from laminae.triton_ops._parity import FLOAT64_ABS_RMS, _run, parity
 from laminae.triton_ops.lucid_attention import lucid_attention, lucid_precondition, lucid_precondition_extend
 
 from .._decoding import prefill_then_decode
-from .._helpers import DEVICE, assert_parity, scales, seeds
+from .._helpers import DEVICE, assert_matches_float64, assert_parity, scales, seeds
 
 lucid_ops = importlib.import_module("laminae.triton_ops.lucid_attention")  # the kernel file, not the function
 
@@ -132,13 +132,17 @@ heads = st.sampled_from([(1, 1), (2, 1), (4, 2)])
 @given(B=st.integers(1, 2), S=st.integers(1, 40), extra=st.integers(0, 12), hk=heads,
        D=st.sampled_from([8, 16, 32]), masked=st.booleans(), scale=scales, unit=st.booleans(),
        correlated=st.sampled_from([0.0, 0.3]), block=st.sampled_from([16, 32]), split=st.booleans(), seed=seeds)
-def test_kernel_matches_reference_fp32(B, S, extra, hk, D, masked, scale, unit, correlated, block, split, seed):
+def test_kernel_matches_float64(B, S, extra, hk, D, masked, scale, unit, correlated, block, split, seed):
+    """Against float64, the absolute terms at the size of the scores (scale²): at scale 4
+    the fp32 reference and the kernel are each up to 2e-5 from the truth on an output
+    element (sharp softmax), so 2.8e-5 apart, past the fp32-vs-fp32 element tolerance."""
     H, HKV = hk
     inp = _inputs(B, S, S + extra, H, HKV, D, masked, scale, seed, correlated=correlated)
     if unit:  # spec open point 1 alternative (eps = 1e-4 moves the computed diagonal of small keys off 1)
         inp.update(eps=1e-4, unit_diagonal=True)
     with forced_tiles(block, dk_cols=16 if split else None):
-        assert_parity(lucid_attention, lucid_attention_reference, inp, ["q", "k", "v"])
+        assert_matches_float64(lucid_attention, lucid_attention_reference, inp, ["q", "k", "v"],
+                               magnitude=max(1.0, scale) ** 2)
 
 
 @given(B=st.integers(1, 2), N=st.integers(1, 40), HKV=st.integers(1, 2), D=st.sampled_from([8, 16, 32]),
