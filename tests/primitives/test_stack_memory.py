@@ -259,11 +259,11 @@ def test_entropy_loss_decreases_entropy_when_minimised():
     for _ in range(5):
         _, _, state = m(x)
         loss = m.aux_loss(state)
-        first = float(loss) if first is None else first
+        first = float(loss.detach()) if first is None else first
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert float(m.aux_loss(m(x).state)) < first
+    assert float(m.aux_loss(m(x).state).detach()) < first
 
 
 @pytest.mark.parametrize("read_mode", ["soft", "released"])
