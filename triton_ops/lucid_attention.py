@@ -41,9 +41,9 @@ in "tf32x3" (three TF32 products: fp32 accuracy on the tensor cores), so the
 diagonal solve is fp32 as the method asks. The interpreter computes every product
 exactly in its operands, which then equals what the GPU computes up to the
 accumulation order and tf32x3's dropped low-order product (about 2⁻²² relative).
-Saved for backward: raw k, V′ in fp32 (the backward casts the 16-bit operand copy the
-products read; the fp32 rows give the diagonal's coefficients dV_i·V′_i, a dot product
-that may cancel), ρ, the diagonal inverses and the keep mask. Never materialised: any N×N matrix.
+Saved for backward: raw k, V′ in fp32 (its rows give the diagonal's coefficients
+dV_i·V′_i, a dot product that may cancel) and, for 16-bit k, the operand copy the
+products read (the attention saves it as well), ρ, the diagonal inverses and the keep mask. Never materialised: any N×N matrix.
 
 Padding keys (keep mask 0) have a zero row and column in L and a unit diagonal: ρ is
 0, they get no preconditioner gradient, and their contents are selected away (never
@@ -677,17 +677,17 @@ def _lucid_precondition_op(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Ten
 
 
 @triton_op("laminae::lucid_precondition_bwd", mutates_args=())
-def _lucid_precondition_bwd_op(dvp: torch.Tensor, k: torch.Tensor, vp: torch.Tensor, rho: torch.Tensor,
-                               linv: torch.Tensor, key_mask: torch.Tensor | None, head_dim: int, eps: float,
-                               unit_diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dk, dv) of the preconditioner, both in the dtype of k (dv = L⁻ᵀ dV′; V′ fp32 as saved)."""
+def _lucid_precondition_bwd_op(dvp: torch.Tensor, k: torch.Tensor, vp: torch.Tensor, vp_op: torch.Tensor,
+                               rho: torch.Tensor, linv: torch.Tensor, key_mask: torch.Tensor | None, head_dim: int,
+                               eps: float, unit_diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dk, dv) of the preconditioner, both in the dtype of k (dv = L⁻ᵀ dV′; V′ as saved:
+    fp32, and for 16-bit k the operand copy)."""
     t = tiles(head_dim, k.dtype)
     low = k.dtype != torch.float32
     dv32, dv_op = _substitute(k, dvp, key_mask, rho, linv, head_dim, t, transposed=True, store_out=True,
                               store_op=low)
     if not low:
         return _key_gradient(k, key_mask, rho, vp, dv32, vp, dv32, head_dim, eps, unit_diagonal, t), dv32
-    vp_op = vp.to(k.dtype)
     return _key_gradient(k, key_mask, rho, vp_op, dv_op, vp, dv32, head_dim, eps, unit_diagonal, t), dv_op
 
 
@@ -696,20 +696,22 @@ def _setup_context(ctx, inputs, output):
     vp, vp_op, rho, linv = output
     ctx.mark_non_differentiable(rho, linv)
     ctx.set_materialize_grads(False)
-    # V′ in fp32 (not its 16-bit operand copy): the dk kernel's diagonal coefficients
-    # dV_i·V′_i need it, and the operand is one cast away
-    ctx.save_for_backward(k, vp, rho, linv, key_mask)
+    # V′ in fp32 for the dk kernel's diagonal coefficients dV_i·V′_i, and the 16-bit copy
+    # its products read: the attention over (k, V′) saves that copy too, so keeping it
+    # costs no memory there and saves the backward a cast
+    ctx.save_for_backward(k, vp, vp_op, rho, linv, key_mask)
     ctx.head_dim, ctx.eps, ctx.unit_diagonal = head_dim, eps, unit_diagonal
     ctx.v_dtype = v.dtype
 
 
 def _backward(ctx, dvp, dvp_op, _drho, _dlinv):
-    k, vp, rho, linv, key_mask = ctx.saved_tensors
+    k, vp, vp_op, rho, linv, key_mask = ctx.saved_tensors
     grads = [g for g in (dvp, dvp_op) if g is not None]
     if not grads:
         return None, None, None, None, None, None
     rhs = (grads[0].float() if len(grads) == 1 else grads[0].float() + grads[1].float()).contiguous()
-    dk, dv = _lucid_precondition_bwd_op(rhs, k, vp, rho, linv, key_mask, ctx.head_dim, ctx.eps, ctx.unit_diagonal)
+    dk, dv = _lucid_precondition_bwd_op(rhs, k, vp, vp_op, rho, linv, key_mask, ctx.head_dim, ctx.eps,
+                                        ctx.unit_diagonal)
     return dk, dv.to(ctx.v_dtype), None, None, None, None
 
 
